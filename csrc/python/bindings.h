@@ -1,0 +1,11 @@
+// Declarations of the per-component binding functions that module.cpp calls.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace terra::python {
+
+void init_capture(pybind11::module_& m);
+void init_profile(pybind11::module_& m);  // python/profile_bindings.cpp (pybind11 only, no torch)
+
+}  // namespace terra::python

@@ -1,0 +1,24 @@
+"""terra_torch: imperative-symbolic co-execution for PyTorch.
+
+Keep writing an ordinary imperative training loop; terra_torch records the aten ops it runs,
+builds a symbolic graph that covers every path it saw, and runs that graph on a C++ worker
+while Python runs ahead. See README.md and docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from terra_torch import _torch_gate
+
+_torch_gate.check(torch.__version__)
+
+from terra_torch import _C  # noqa: E402  (needs the gate first)
+
+_C.check_torch_abi(torch.__version__)
+
+from terra_torch import debug  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["debug", "__version__"]

@@ -1,0 +1,1 @@
+"""Debug entry points (filled in by the capture layer)."""
