@@ -21,6 +21,8 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        if self.inplace or getattr(self, "editable_mode", False):
+            out_dir = ROOT / "terra_torch"  # editable: the source tree is the package
         build_dir = Path(os.environ.get("TERRA_BUILD_DIR", ROOT / "build"))
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(build_dir),

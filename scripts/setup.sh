@@ -40,8 +40,9 @@ fi
 cmake --build build -j "${MAX_JOBS:-2}"
 
 # Register the package in the venv (editable: the source tree is the package).
-if ! "$VPY" -c 'import terra_torch' >/dev/null 2>&1 || \
-   [ "$("$VPY" -c 'import terra_torch,os;print(os.path.dirname(terra_torch.__file__))' 2>/dev/null)" != "$ROOT/terra_torch" ]; then
+# (Checked from / so that the current directory does not make the import succeed by accident.)
+installed=$(cd / && "$VPY" -c 'import terra_torch,os;print(os.path.dirname(terra_torch.__file__))' 2>/dev/null || true)
+if [ "$installed" != "$ROOT/terra_torch" ]; then
   echo "[setup] pip install -e . --no-build-isolation"
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
 fi

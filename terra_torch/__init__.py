@@ -16,9 +16,12 @@ _torch_gate.check(torch.__version__)
 from terra_torch import _C  # noqa: E402  (needs the gate first)
 
 _C.check_torch_abi(torch.__version__)
+_C.install_interceptor()
 
-from terra_torch import debug  # noqa: E402
+from terra_torch import debug, profile  # noqa: E402
+
+profile.enable_from_env()  # TERRA_PROFILE_RECORD=path: warns (never raises) when it cannot apply
 
 __version__ = "0.1.0"
 
-__all__ = ["debug", "__version__"]
+__all__ = ["debug", "profile", "__version__"]

@@ -1,1 +1,119 @@
-"""Debug entry points (filled in by the capture layer)."""
+"""Look at what the capture layer sees.
+
+    result, trace = terra_torch.debug.record(train_step, model, batch)
+    for op in trace.ops:
+        print(op.name, op.location)
+
+`record` runs `fn` eagerly with every aten op intercepted at the dispatcher (forward, backward
+and optimizer ops alike) and returns its result with the trace. With mode="placeholder" nothing
+is computed: every op returns a placeholder tensor with the right metadata and no data.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from terra_torch import _C
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where an op was issued: the Python stack (and, for backward ops, the forward op)."""
+
+    id: int
+    frames: tuple[str, ...]
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Location) and other.id == self.id
+
+    def __str__(self) -> str:
+        return " -> ".join(self.frames) if self.frames else f"<location {self.id:#x}>"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    device: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Input:
+    """A tensor argument: output `output` of op `op`, or external input `external`."""
+
+    argument: int
+    list_index: int
+    op: int | None = None
+    output: int | None = None
+    external: int | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    name: str  # "aten::addmm" (overload as ".out" etc. when it is not the default)
+    attributes: tuple[Any, ...]
+    attributes_hash: int
+    inputs: tuple[Input, ...]
+    outputs: tuple[TensorMeta, ...]
+    location: Location
+    loops: tuple[tuple[int, int], ...]  # (loop id, iteration), outermost first
+    backward: bool
+    needs_materialization: bool
+
+
+@dataclass
+class Trace:
+    ops: list[Op]
+    externals: list[tuple[TensorMeta, int]]
+
+    @property
+    def names(self) -> list[str]:
+        return [op.name for op in self.ops]
+
+
+def _meta(t: tuple) -> TensorMeta:
+    dtype, sizes, strides, offset, device, requires_grad = t
+    return TensorMeta(dtype, tuple(sizes), tuple(strides), offset, device, requires_grad)
+
+
+def _trace_of(region: _C.Region) -> Trace:
+    described: dict[int, Location] = {}
+
+    def location(loc_id: int) -> Location:
+        if loc_id not in described:
+            described[loc_id] = Location(loc_id, tuple(region.describe_location(loc_id)))
+        return described[loc_id]
+
+    ops = []
+    for index, raw in enumerate(region.ops()):
+        name, attrs, attrs_hash, inputs, outputs, loc, loops, backward, materialize = raw
+        ins = tuple(
+            Input(arg, k, external=a) if kind == "external" else Input(arg, k, op=a, output=b)
+            for arg, k, kind, a, b in inputs
+        )
+        ops.append(Op(index, name, attrs, attrs_hash, ins, tuple(_meta(o) for o in outputs),
+                      location(loc), tuple(loops), backward, materialize))
+    externals = [(_meta(m), identity) for m, identity in region.externals()]
+    return Trace(ops, externals)
+
+
+def record(fn: Callable[..., Any], *args: Any, mode: str = "record", **kwargs: Any) -> tuple[Any, Trace]:
+    """Run `fn(*args, **kwargs)` in a capture region; return (its result, the trace)."""
+    region = _C.Region(mode, sys._getframe(0))  # locations start at fn's frame
+    region.open()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        region.close()
+    return result, _trace_of(region)

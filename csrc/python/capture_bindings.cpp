@@ -1,10 +1,80 @@
 // Python bindings of the capture layer (csrc/capture): regions, modes and trace records.
+// Records are converted to plain Python tuples here; terra_torch/debug.py gives them names.
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include "capture/interceptor.h"
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/shape_inference.h"
 #include "python/bindings.h"
+
+namespace py = pybind11;
 
 namespace terra::python {
 
-void init_capture(pybind11::module_& m) {}
+namespace {
+
+using capture::Mode;
+using capture::Region;
+
+py::tuple meta_tuple(const capture::TensorMeta& m) {
+  return py::make_tuple(torch::jit::toPyObject(c10::IValue(m.dtype)), m.sizes, m.strides, m.storage_offset,
+                        m.device.str(), m.requires_grad);
+}
+
+py::list ops_of(const Region& region) {
+  py::list out;
+  for (const capture::OpRecord& rec : region.trace().ops) {
+    py::list attributes;
+    for (const c10::IValue& v : rec.attributes) attributes.append(torch::jit::toPyObject(v));
+    py::list inputs;
+    for (const capture::OpInput& in : rec.inputs) {
+      if (in.value.is_external())
+        inputs.append(py::make_tuple(in.argument, in.list_index, "external", in.value.external, -1));
+      else
+        inputs.append(py::make_tuple(in.argument, in.list_index, "op", in.value.record, in.value.output));
+    }
+    py::list outputs;
+    for (const capture::TensorMeta& m : rec.outputs) outputs.append(meta_tuple(m));
+    py::list loops;
+    for (const capture::LoopFrame& l : rec.loops) loops.append(py::make_tuple(l.loop_id, l.iteration));
+    out.append(py::make_tuple(c10::toString(rec.op.operator_name()), py::tuple(attributes), rec.attributes_hash,
+                              py::tuple(inputs), py::tuple(outputs), rec.location, py::tuple(loops),
+                              rec.backward, rec.needs_materialization));
+  }
+  return out;
+}
+
+}  // namespace
+
+void init_capture(py::module_& m) {
+  m.def("install_interceptor", &capture::install_interceptor,
+        "Give CompositeExplicitAutograd ops a direct kernel on terra's key; returns how many");
+  m.def("is_placeholder", &capture::is_placeholder);
+  m.def("shape_cache_size", &capture::shape_cache_size);
+
+  py::class_<Region, std::shared_ptr<Region>>(m, "Region")
+      .def(py::init([](const std::string& mode, py::object stop_frame) {
+             TORCH_CHECK(mode == "record" || mode == "placeholder",
+                         "terra_torch: capture mode must be 'record' or 'placeholder', got '", mode, "'");
+             auto* frame = stop_frame.is_none() ? nullptr : reinterpret_cast<PyFrameObject*>(stop_frame.ptr());
+             return std::make_shared<Region>(mode == "record" ? Mode::Record : Mode::Placeholder, frame);
+           }),
+           py::arg("mode"), py::arg("stop_frame") = py::none())
+      .def("open", &Region::open)
+      .def("close", &Region::close)
+      .def_property_readonly("is_open", &Region::is_open)
+      .def("ops", &ops_of)
+      .def("externals",
+           [](const Region& r) {
+             py::list out;
+             for (const auto& e : r.trace().externals)
+               out.append(py::make_tuple(meta_tuple(e.meta), reinterpret_cast<uintptr_t>(e.identity)));
+             return out;
+           })
+      .def("describe_location", [](Region& r, uint64_t id) { return r.locations().describe(id); });
+}
 
 }  // namespace terra::python

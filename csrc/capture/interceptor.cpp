@@ -1,0 +1,177 @@
+#include "capture/interceptor.h"
+
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/terra_key.h"
+
+namespace terra::capture {
+
+namespace {
+
+bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
+  for (auto it = stack.end() - nargs; it != stack.end(); ++it) {
+    if (it->isTensor() && is_placeholder(it->toTensor())) return true;
+    if (it->isTensorList())
+      for (const at::Tensor& t : it->toTensorList().vec())
+        if (is_placeholder(t)) return true;
+  }
+  return false;
+}
+
+// The open region, unless this op must go through untouched. Code that steps outside every
+// TorchDispatchMode (torch.tensor() filling its buffer, a mode's own handler) excludes the Python
+// key; we step aside for it too, so that we see exactly the ops a TorchDispatchMode would.
+Region* intercepting() {
+  Region* region = active_region();
+  if (region == nullptr || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) return nullptr;
+  return region;
+}
+
+void terra_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (Region* region = intercepting()) {
+    region->handle(op, ks, stack);
+    return;
+  }
+  TORCH_CHECK(!has_placeholder(*stack, op.schema().arguments().size()), "terra_torch: ",
+              c10::toString(op.operator_name()),
+              " received a placeholder tensor outside the capture region that produced it");
+  run_real(op, ks, stack);
+}
+
+// What torch's generated BackendSelect kernel does for a factory: the backend follows from the
+// dtype/layout/device arguments. (Our BackendSelect kernel replaces torch's for these ops.)
+c10::DispatchKeySet factory_keyset(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& arguments = op.schema().arguments();
+  auto args = stack.end() - arguments.size();
+  std::optional<c10::ScalarType> dtype;
+  std::optional<c10::Layout> layout;
+  std::optional<c10::Device> device;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& v = args[i];
+    if (v.isNone()) continue;
+    const std::string& name = arguments[i].name();
+    if (name == "dtype") dtype = v.toScalarType();
+    else if (name == "layout") layout = v.toLayout();
+    else if (name == "device") device = v.toDevice();
+  }
+  return c10::DispatchKeySet(c10::computeDispatchKey(dtype, layout, device));
+}
+
+// BackendSelect kernels of factories with no tensor argument redispatch with a key set built
+// from the device argument alone, dropping TLS includes: without this kernel, torch.zeros() and
+// torch.randn() would escape every capture region.
+void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // Unlike terra_kernel, reaching this kernel does not mean our key is on: check the TLS (it is
+  // off inside real kernels, under SuspendGuard).
+  bool on = c10::impl::tls_local_dispatch_key_set().included_.has_backend(kTerraBackendBit);
+  if (Region* region = on ? intercepting() : nullptr) {
+    region->handle(op, ks, stack);
+    return;
+  }
+  op.redispatchBoxed(factory_keyset(op, *stack), stack);
+}
+
+bool has_tensor_argument(const c10::FunctionSchema& schema) {
+  for (const auto& arg : schema.arguments()) {
+    if (arg.type()->kind() == c10::TypeKind::TensorType) return true;
+    if (auto opt = arg.type()->cast<c10::OptionalType>())
+      if (opt->getElementType()->kind() == c10::TypeKind::TensorType) return true;
+    if (auto list = arg.type()->cast<c10::ListType>()) {
+      auto elem = list->getElementType();
+      if (elem->kind() == c10::TypeKind::TensorType) return true;
+      if (auto o = elem->cast<c10::OptionalType>())
+        if (o->getElementType()->kind() == c10::TypeKind::TensorType) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void run_real(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  SuspendGuard suspend;
+  // Keep the keys below BackendSelect (Dense and friends) and the real backend bits.
+  auto below = ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+  below = below.remove_backend(kTerraBackendBit);
+  auto backend_bits = below & c10::DispatchKeySet(c10::DispatchKeySet::RAW, c10::full_backend_mask);
+  op.redispatchBoxed(backend_bits.empty() ? factory_keyset(op, *stack) : below, stack);
+}
+
+namespace {
+
+// Silences "Overriding a previously registered kernel" for the BackendSelect kernels we replace
+// on purpose; any other warning still reaches the previous handler.
+class QuietOverrideHandler : public c10::WarningHandler {
+ public:
+  explicit QuietOverrideHandler(c10::WarningHandler* next) : next_(next) {}
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("Overriding a previously registered kernel") == std::string::npos)
+      next_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* next_;
+};
+
+torch::Library& backend_select_library() {
+  static torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::BackendSelect, __FILE__, __LINE__);
+  return lib;
+}
+
+}  // namespace
+
+size_t install_interceptor() {
+  // Ops with a CompositeExplicitAutograd kernel (zeros, full, t, detach, ...) would run that
+  // kernel on our backend key and we would only see its pieces; a TorchDispatchMode sees the op
+  // itself. A direct kernel on our key wins over the composite one (dispatch table precedence).
+  static std::once_flag once;
+  static size_t count = 0;
+  static std::unordered_map<std::string, std::unique_ptr<torch::Library>> libraries;
+  std::call_once(once, [] {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      auto op = dispatcher.findOp(name);
+      if (!op || !op->hasSchema()) continue;
+      bool composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+                       op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+      if (!composite || op->hasKernelForDispatchKey(kTerraKey)) continue;
+      auto ns = name.getNamespace();
+      if (!ns) continue;
+      std::string ns_str(*ns);
+      auto& lib = libraries[ns_str];
+      if (!lib) {
+        lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns_str, kTerraKey, __FILE__, __LINE__);
+      }
+      std::string unqualified = name.name.substr(ns_str.size() + 2);
+      if (!name.overload_name.empty()) unqualified += "." + name.overload_name;
+      lib->impl(unqualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&terra_kernel>());
+      ++count;
+    }
+    // Factories: take over their BackendSelect kernels (see factory_kernel).
+    QuietOverrideHandler quiet(c10::WarningUtils::get_warning_handler());
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    for (const c10::OperatorName& name : dispatcher.getAllOpNamesForDispatchKey(c10::DispatchKey::BackendSelect)) {
+      auto op = dispatcher.findOp(name);
+      if (!op || !op->hasSchema() || has_tensor_argument(op->schema())) continue;
+      if (name.getNamespace() != std::optional<std::string_view>("aten")) continue;
+      auto& lib = backend_select_library();
+      std::string unqualified = name.name.substr(6);
+      if (!name.overload_name.empty()) unqualified += "." + name.overload_name;
+      lib.impl(unqualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&factory_kernel>());
+      ++count;
+    }
+  });
+  return count;
+}
+
+}  // namespace terra::capture
+
+TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&terra::capture::terra_kernel>());
+}

@@ -1,0 +1,17 @@
+// The dispatcher hook: a boxed fallback on terra's key (see terra_key.h) plus direct kernels for
+// ops whose CompositeExplicitAutograd kernel would otherwise decompose them before we see them.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace terra::capture {
+
+// Registers the direct kernels; the fallback itself is registered when the library loads.
+// Idempotent. Returns the number of operators that got a direct kernel.
+size_t install_interceptor();
+
+// Runs the real kernel of `op` below terra's key, with interception suspended.
+void run_real(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+}  // namespace terra::capture

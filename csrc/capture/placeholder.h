@@ -1,0 +1,43 @@
+// Placeholder tensors: right sizes, strides, dtype, device and autograd history; no data.
+//
+// The PythonRunner hands these out instead of running kernels. They carry our dispatch key, so
+// every op on them comes back to the interceptor; their storage is dataless so that views alias
+// their base; reading their data raises an error that names the op that produced them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+
+#include "capture/trace_record.h"
+
+namespace terra::capture {
+
+class PlaceholderImpl : public c10::TensorImpl {
+ public:
+  // A fresh placeholder with its own (dataless) storage.
+  PlaceholderImpl(const TensorMeta& meta, const c10::OperatorHandle& producer);
+  // A view: shares `storage` with its base.
+  PlaceholderImpl(c10::Storage storage, const TensorMeta& meta, const c10::OperatorHandle& producer);
+
+  const c10::OperatorHandle& producer() const { return producer_; }
+  const char* tensorimpl_type_name() const override;
+
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
+  void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
+
+ private:
+  void set_meta(const TensorMeta& meta);
+  c10::OperatorHandle producer_;
+};
+
+bool is_placeholder(const at::Tensor& t);
+at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);
+at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
+                                 const c10::OperatorHandle& producer);
+TensorMeta meta_of(const c10::TensorImpl& t);
+inline TensorMeta meta_of(const at::Tensor& t) { return meta_of(*t.unsafeGetTensorImpl()); }
+
+}  // namespace terra::capture

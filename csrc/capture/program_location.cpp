@@ -1,0 +1,148 @@
+#include "capture/program_location.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace terra::capture {
+
+namespace {
+
+uint64_t mix(uint64_t h, uint64_t v) {
+  // splitmix64-style mixing: cheap, and good enough that 64-bit ids do not collide in practice.
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  return h ^ (h >> 29);
+}
+
+}  // namespace
+
+LocationTracker::LocationTracker(PyFrameObject* stop_frame) : stop_frame_(stop_frame) {
+  Py_XINCREF(stop_frame_);
+  PyObject* mod = PyImport_ImportModule("terra_torch._locations");
+  if (mod == nullptr) throw std::runtime_error("terra_torch: cannot import terra_torch._locations");
+  loop_finder_ = PyObject_GetAttrString(mod, "loop_ranges");
+  Py_DECREF(mod);
+  if (loop_finder_ == nullptr) throw std::runtime_error("terra_torch._locations.loop_ranges missing");
+}
+
+LocationTracker::~LocationTracker() {
+  // Destroyed with the GIL held (regions end from Python).
+  Py_XDECREF(stop_frame_);
+  Py_XDECREF(loop_finder_);
+  for (auto& [code, _] : ranges_) Py_DECREF(reinterpret_cast<PyObject*>(code));
+}
+
+const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCodeObject* code) {
+  auto it = ranges_.find(code);
+  if (it != ranges_.end()) return it->second;
+  std::vector<LoopRange> found;
+  PyObject* result = PyObject_CallOneArg(loop_finder_, reinterpret_cast<PyObject*>(code));
+  if (result != nullptr) {
+    Py_ssize_t n = PyList_Size(result);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* pair = PyList_GetItem(result, i);
+      found.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 0))),
+                       static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 1)))});
+    }
+    Py_DECREF(result);
+  } else {
+    PyErr_Clear();  // no loop information is a degraded location, not an error
+  }
+  Py_INCREF(reinterpret_cast<PyObject*>(code));  // the cache keys on the pointer: keep it alive
+  return ranges_.emplace(code, std::move(found)).first->second;
+}
+
+uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
+  // Walk innermost -> outermost, then reverse, so that locations read top-down.
+  scratch_.clear();
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr && frame != stop_frame_) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    scratch_.push_back({code, PyFrame_GetLasti(frame)});
+    Py_DECREF(code);  // code objects outlive their frames; the cache below pins the ones we keep
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  std::reverse(scratch_.begin(), scratch_.end());
+
+  uint64_t id = 0x7e77a;
+  std::vector<uint64_t> active;
+  if (loops) loops->clear();
+  for (size_t d = 0; d < scratch_.size(); ++d) {
+    const FrameRef& f = scratch_[d];
+    uint64_t prefix = id;
+    id = mix(mix(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
+    // Every loop of this frame whose range holds lasti encloses the op (outer ranges first).
+    for (const LoopRange& r : loop_ranges(f.code)) {
+      if (f.lasti < r.start || f.lasti > r.end) continue;
+      uint64_t loop_id = mix(mix(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
+      active.push_back(loop_id);
+      // Position of the op inside this loop's body: offsets from here inwards, where a nested
+      // loop counts as its head. A position that does not advance starts a new iteration.
+      std::vector<int64_t> position;
+      for (size_t e = d; e < scratch_.size(); ++e) {
+        int off = scratch_[e].lasti;
+        bool nested = false;
+        for (const LoopRange& inner : loop_ranges(scratch_[e].code)) {
+          bool encloses_outer = (e == d) && inner.start <= r.start && inner.end >= r.end;
+          if (!encloses_outer && off >= inner.start && off <= inner.end && !(e == d && inner.start == r.start)) {
+            off = inner.start;
+            nested = true;
+            break;
+          }
+        }
+        position.push_back(off);
+        if (nested) break;
+      }
+      LoopState& state = loop_state_[loop_id];
+      bool was_active = std::find(active_loops_.begin(), active_loops_.end(), loop_id) != active_loops_.end();
+      if (!was_active) {
+        state.iteration = 0;  // (re-)entered
+      } else if (position < state.last_position) {
+        ++state.iteration;
+      }
+      state.last_position = std::move(position);
+      if (loops) loops->push_back({loop_id, state.iteration});
+    }
+  }
+  active_loops_ = std::move(active);
+
+  auto [it, inserted] = frames_.try_emplace(id);
+  if (inserted) {
+    it->second = scratch_;
+    for (const FrameRef& f : scratch_) loop_ranges(f.code);  // pins each code object
+  }
+  return id;
+}
+
+uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index) {
+  uint64_t id = mix(mix(mix(base, 0xbacc), tag), index);
+  derived_base_.emplace(id, base);
+  return id;
+}
+
+std::vector<std::string> LocationTracker::describe(uint64_t id) const {
+  std::vector<std::string> out;
+  auto derived = derived_base_.find(id);
+  if (derived != derived_base_.end()) {
+    out = describe(derived->second);
+    out.push_back("(backward of the op above)");
+    return out;
+  }
+  auto it = frames_.find(id);
+  if (it == frames_.end()) return out;
+  for (const FrameRef& f : it->second) {
+    PyObject* file = f.code->co_filename;
+    PyObject* name = f.code->co_name;
+    int line = PyCode_Addr2Line(f.code, f.lasti);
+    out.push_back(std::string(PyUnicode_AsUTF8(file)) + ":" + std::to_string(line) + " in " +
+                  PyUnicode_AsUTF8(name));
+  }
+  return out;
+}
+
+}  // namespace terra::capture

@@ -1,0 +1,73 @@
+// Program locations: where in the user's Python program an aten op was issued.
+//
+// A location is the Python call stack at the op, as (code object, instruction offset) pairs from
+// the region's outermost frame to the innermost one, interned to a 64-bit id. The same statement
+// in two iterations of the training loop gives the same id; the same op reached from two call
+// sites gives different ids. Loops are recognised from bytecode: each code object's backward
+// jumps, computed once and cached, give the instruction ranges of its loops; an op inside such a
+// range carries a LoopFrame with the loop's id and its iteration number. See docs/LOCATIONS.md.
+//
+// Only Python.h is needed here, so this TU stays cheap to compile. Every call needs the GIL.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace terra::capture {
+
+struct LoopFrame {
+  uint64_t loop_id = 0;    // same loop reached through the same call path -> same id
+  uint32_t iteration = 0;  // 0-based iteration of that loop since it was entered
+  bool operator==(const LoopFrame&) const = default;
+};
+
+struct FrameRef {
+  PyCodeObject* code = nullptr;  // kept alive by the tracker's code cache
+  int lasti = -1;                // byte offset of the instruction that issued the call
+};
+
+class LocationTracker {
+ public:
+  // `stop_frame`: the walk stops below this frame (it and its callers are not part of
+  // locations). nullptr: walk to the bottom of the stack.
+  explicit LocationTracker(PyFrameObject* stop_frame);
+  ~LocationTracker();
+  LocationTracker(const LocationTracker&) = delete;
+  LocationTracker& operator=(const LocationTracker&) = delete;
+
+  // Location of the current Python stack; fills `loops` (outermost first). Needs the GIL.
+  uint64_t capture(std::vector<LoopFrame>* loops);
+
+  // An id for a location derived from another (backward ops: forward location + tag).
+  uint64_t derive(uint64_t base, uint64_t tag, uint64_t index);
+
+  // "file:line in function" per frame, outermost first. Needs the GIL.
+  std::vector<std::string> describe(uint64_t id) const;
+
+ private:
+  struct LoopRange {
+    int start;  // jump target (loop head)
+    int end;    // offset of the backward jump
+  };
+  struct LoopState {
+    std::vector<int64_t> last_position;
+    uint32_t iteration = 0;
+  };
+
+  const std::vector<LoopRange>& loop_ranges(PyCodeObject* code);
+
+  PyFrameObject* stop_frame_;
+  PyObject* loop_finder_ = nullptr;  // terra_torch._locations.loop_ranges
+  std::unordered_map<PyCodeObject*, std::vector<LoopRange>> ranges_;
+  std::unordered_map<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
+  std::unordered_map<uint64_t, uint64_t> derived_base_;          // derived id -> base id
+  std::unordered_map<uint64_t, LoopState> loop_state_;
+  std::vector<uint64_t> active_loops_;  // loop ids of the previous capture
+  std::vector<FrameRef> scratch_;
+};
+
+}  // namespace terra::capture

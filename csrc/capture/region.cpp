@@ -1,0 +1,241 @@
+#include "capture/region.h"
+
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "capture/interceptor.h"
+#include "capture/placeholder.h"
+#include "capture/shape_inference.h"
+#include "capture/terra_key.h"
+
+namespace terra::capture {
+
+namespace {
+
+std::atomic<Region*> g_active{nullptr};
+
+uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h * 0xbf58476d1ce4e5b9ULL;
+}
+
+uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
+  h = mix(h, static_cast<uint64_t>(v.tag));
+  if (v.isInt()) return mix(h, static_cast<uint64_t>(v.toInt()));
+  if (v.isBool()) return mix(h, v.toBool());
+  if (v.isDouble()) {
+    double d = v.toDouble();
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    return mix(h, bits);
+  }
+  if (v.isString()) return mix(h, std::hash<std::string>()(v.toStringRef()));
+  if (v.isDevice()) return mix(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+  if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e);
+    return h;
+  }
+  return h;  // None, Generator, ...: the tag says enough
+}
+
+bool is_tensor_like(const c10::IValue& v) {
+  return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
+}
+
+}  // namespace
+
+Region* active_region() { return g_active.load(std::memory_order_acquire); }
+
+Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {}
+
+Region::~Region() {
+  if (open_) close();
+}
+
+void Region::open() {
+  Region* expected = nullptr;
+  TORCH_CHECK(g_active.compare_exchange_strong(expected, this),
+              "terra_torch: a capture region is already open; regions do not nest");
+  intercept_.emplace();
+  open_ = true;
+}
+
+void Region::close() {
+  if (!open_) return;
+  intercept_.reset();
+  g_active.store(nullptr, std::memory_order_release);
+  open_ = false;
+  produced_.clear();
+}
+
+ValueRef Region::reference(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto it = produced_.find(impl);
+  if (it != produced_.end()) return it->second.ref;
+  auto [ext, inserted] = external_index_.try_emplace(impl, static_cast<int32_t>(trace_.externals.size()));
+  if (inserted) {
+    trace_.externals.push_back({meta_of(t), impl});
+    externals_alive_.push_back(t);
+  }
+  ValueRef ref;
+  ref.external = ext->second;
+  return ref;
+}
+
+void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
+  if (!t.defined()) return;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  ValueRef ref;
+  ref.record = record;
+  ref.output = output;
+  // In-place ops return their input: its newest version is this output from now on.
+  produced_.insert_or_assign(impl, Produced{c10::weak_intrusive_ptr<c10::TensorImpl>(
+                                                t.getIntrusivePtr()), ref});
+}
+
+void Region::add_inputs_and_attributes(OpRecord& rec, const torch::jit::Stack& args) {
+  uint64_t h = 0x5eed;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = args[i];
+    if (v.isTensor()) {
+      if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor())});
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t k = 0; k < list.size(); ++k) rec.inputs.push_back({int32_t(i), int32_t(k), reference(list.get(k))});
+    } else if (v.isOptionalTensorList()) {
+      int32_t k = 0;
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) rec.inputs.push_back({int32_t(i), k, reference(e.toTensor())});
+        ++k;
+      }
+    }
+    if (!is_tensor_like(v)) {
+      rec.attributes.push_back(v);
+      h = hash_attribute(h, v);
+    }
+  }
+  rec.attributes_hash = h;
+}
+
+uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node) {
+  // Backward ops: the location of the forward op that created the autograd node, plus the
+  // op's index inside that node's backward. The engine thread holds no GIL and no Python frame
+  // of the user's program is on its stack, so the node is the only stable anchor.
+  if (node != nullptr) {
+    rec.backward = true;
+    const void* key = node;
+    if (key != last_backward_node_) {
+      last_backward_node_ = key;
+      backward_index_ = 0;
+    }
+    uint64_t base;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
+      base = mix(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
+    } else {
+      auto it = node_location_.find(node->sequence_nr());
+      base = it != node_location_.end() ? it->second : mix(0xb0, std::hash<std::string>()(node->name()));
+    }
+    return locations_.derive(base, std::hash<std::string>()(node->name()), backward_index_++);
+  }
+  last_backward_node_ = nullptr;
+  uint64_t id = locations_.capture(&rec.loops);  // the caller holds the GIL
+  // The autograd node for this op (if any) was created just before autograd redispatched to us,
+  // so it holds the previous sequence number. The first op to see a number is its creator.
+  uint64_t next = at::sequence_number::peek();
+  if (next > 0) node_location_.try_emplace(next - 1, id);
+  return id;
+}
+
+void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t nargs = op.schema().arguments().size();
+  OpRecord rec{op};
+  // Forward ops need the GIL to read the Python stack (torch's bindings released it). Lock
+  // order is always GIL -> mu_; backward ops on engine threads take no GIL at all.
+  auto node = torch::autograd::get_current_node();
+  const bool forward = node == nullptr;
+  PyGILState_STATE gil{};
+  if (forward) gil = PyGILState_Ensure();
+  // Our own work runs with interception suspended; an op arriving here from inside it would
+  // deadlock on mu_, so it is a bug to report, not to wait on.
+  static thread_local bool inside = false;
+  TORCH_CHECK(!inside, "terra_torch internal error: ", c10::toString(op.operator_name()),
+              " was intercepted while the interceptor was handling another op");
+  struct Inside {
+    Inside() { inside = true; }
+    ~Inside() { inside = false; }
+  } inside_guard;
+  std::lock_guard<std::mutex> lock(mu_);
+  rec.location = locate(rec, node.get());
+  if (forward) PyGILState_Release(gil);
+  torch::jit::Stack args(stack->end() - nargs, stack->end());
+  add_inputs_and_attributes(rec, args);
+
+  if (mode_ == Mode::Placeholder) {
+    run_placeholder(op, rec, args, stack);
+    return;
+  }
+  run_real(op, ks, stack);
+  const int32_t index = static_cast<int32_t>(trace_.ops.size());
+  int32_t k = 0;
+  for (size_t r = 0; r < op.schema().returns().size(); ++r) {
+    const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
+    if (v.isTensor()) {
+      rec.outputs.push_back(meta_of(v.toTensor()));
+      produce(v.toTensor(), index, k++);
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        rec.outputs.push_back(meta_of(t));
+        produce(t, index, k++);
+      }
+    }
+  }
+  trace_.ops.push_back(std::move(rec));
+}
+
+void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
+                             const torch::jit::Stack& args, torch::jit::Stack* stack) {
+  const size_t nargs = args.size();
+  const InferredOutputs& inferred = infer_outputs(op, args);
+  const int32_t index = static_cast<int32_t>(trace_.ops.size());
+  if (inferred.needs_materialization) {
+    rec.needs_materialization = true;
+    trace_.ops.push_back(std::move(rec));
+    TORCH_CHECK(false, "terra_torch: cannot continue with placeholders: ", inferred.reason);
+  }
+  torch::jit::drop(*stack, nargs);
+  int32_t k = 0;
+  auto make = [&](const OutputSpec& spec) {
+    at::Tensor out;
+    switch (spec.kind) {
+      case OutputSpec::Kind::Fresh:
+        out = make_placeholder(spec.meta, op);
+        break;
+      case OutputSpec::Kind::SameAsArgument:
+        out = args[spec.argument].toTensor();
+        break;
+      case OutputSpec::Kind::ViewOfArgument:
+        out = make_placeholder_view(args[spec.argument].toTensor(), spec.meta, op);
+        break;
+    }
+    rec.outputs.push_back(meta_of(out));
+    produce(out, index, k++);
+    return out;
+  };
+  for (const ReturnSpec& ret : inferred.returns) {
+    if (!ret.is_list) {
+      stack->push_back(make(ret.tensors[0]));
+    } else {
+      c10::List<at::Tensor> list;
+      for (const OutputSpec& spec : ret.tensors) list.push_back(make(spec));
+      stack->push_back(std::move(list));
+    }
+  }
+  trace_.ops.push_back(std::move(rec));
+}
+
+}  // namespace terra::capture

@@ -1,0 +1,79 @@
+// A capture region: the span of a program (one iteration, or one debug.record call) whose aten
+// ops are intercepted. It owns the trace being built and the bookkeeping that turns tensors into
+// value references. One region is open at a time in a process; the autograd engine's threads
+// reach it through the global pointer because our own thread_locals do not follow them.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+#include "capture/program_location.h"
+#include "capture/terra_key.h"
+#include "capture/trace_record.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace terra::capture {
+
+enum class Mode {
+  Record,       // run the real kernel, record the op
+  Placeholder,  // run nothing, return placeholders
+};
+
+class Region {
+ public:
+  Region(Mode mode, PyFrameObject* stop_frame);
+  ~Region();
+
+  // Opens the region on the calling thread (needs the GIL); close() must run on the same thread.
+  void open();
+  void close();
+  bool is_open() const { return open_; }
+
+  Mode mode() const { return mode_; }
+  const Trace& trace() const { return trace_; }
+  LocationTracker& locations() { return locations_; }
+
+  // The interceptor's entry: every aten op of the region arrives here.
+  void handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+ private:
+  struct Produced {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // pins the address, not the tensor
+    ValueRef ref;
+  };
+
+  ValueRef reference(const at::Tensor& t);
+  void add_inputs_and_attributes(OpRecord& rec, const torch::jit::Stack& args);
+  uint64_t locate(OpRecord& rec, torch::autograd::Node* node);
+  void produce(const at::Tensor& t, int32_t record, int32_t output);
+  void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, const torch::jit::Stack& args,
+                       torch::jit::Stack* stack);
+
+  Mode mode_;
+  bool open_ = false;
+  std::mutex mu_;  // the autograd engine may call in from its device threads
+  std::optional<InterceptGuard> intercept_;  // our key in this thread's TLS include set
+  LocationTracker locations_;
+  Trace trace_;
+  std::unordered_map<const c10::TensorImpl*, Produced> produced_;
+  std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
+  std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
+  std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location
+  const void* last_backward_node_ = nullptr;
+  uint64_t backward_index_ = 0;
+};
+
+// The region ops are routed to, or nullptr.
+Region* active_region();
+
+}  // namespace terra::capture

@@ -1,0 +1,197 @@
+#include "capture/shape_inference.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/as_strided.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "capture/placeholder.h"
+#include "capture/terra_key.h"
+
+namespace terra::capture {
+
+namespace {
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t v : k) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
+    return h;
+  }
+};
+
+std::mutex cache_mu;
+std::unordered_map<std::vector<int64_t>, InferredOutputs, KeyHash> cache;
+
+void key_tensor(std::vector<int64_t>& key, const at::Tensor& t) {
+  if (!t.defined()) { key.push_back(-7); return; }
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(static_cast<int64_t>(t.device().type()) * 256 + t.device().index());
+  key.push_back(t.dim());
+  for (int64_t s : t.sizes()) key.push_back(s);
+  for (int64_t s : t.strides()) key.push_back(s);
+  key.push_back(t.storage_offset());
+}
+
+void key_ivalue(std::vector<int64_t>& key, const c10::IValue& v) {
+  key.push_back(static_cast<int64_t>(v.tag));
+  if (v.isTensor()) {
+    key_tensor(key, v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) key_tensor(key, t);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) key_ivalue(key, e);
+  } else if (v.isInt()) {
+    key.push_back(v.toInt());
+  } else if (v.isDouble()) {
+    double d = v.toDouble();
+    int64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    key.push_back(bits);
+  } else if (v.isBool()) {
+    key.push_back(v.toBool());
+  } else if (v.isDevice()) {
+    key.push_back(static_cast<int64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+  } else if (v.isString()) {
+    key.push_back(static_cast<int64_t>(std::hash<std::string>()(v.toStringRef())));
+  } else if (v.isSymInt()) {
+    key.push_back(v.toSymInt().expect_int());
+  }
+  // None, Generator and the rest do not change output metadata: the tag is enough.
+}
+
+at::Tensor to_meta(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  auto options = at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta);
+  if (t.storage_offset() == 0) return at::empty_strided(t.sizes(), t.strides(), options);
+  int64_t extent = t.storage_offset() + 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return at::empty({extent}, options).as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+
+c10::IValue ivalue_to_meta(const c10::IValue& v) {
+  if (v.isTensor()) return to_meta(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList().vec()) out.push_back(to_meta(t));
+    return out;
+  }
+  if (v.isOptionalTensorList()) {
+    c10::List<std::optional<at::Tensor>> out;
+    for (const c10::IValue& e : v.toListRef())
+      out.push_back(e.isNone() ? std::nullopt : std::optional<at::Tensor>(to_meta(e.toTensor())));
+    return out;
+  }
+  if (v.isDevice()) return c10::Device(c10::kMeta);
+  if (v.isGenerator()) return c10::IValue();  // meta kernels draw nothing
+  return v;
+}
+
+// The device outputs live on: an explicit `device` argument, else the first tensor input's.
+c10::Device output_device(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (schema.arguments()[i].name() == "device" && args[i].isDevice()) return args[i].toDevice();
+  }
+  for (const c10::IValue& v : args) {
+    if (v.isTensor() && v.toTensor().defined()) return v.toTensor().device();
+    if (v.isTensorList() && v.toTensorList().size() > 0) return v.toTensorList().get(0).device();
+  }
+  return c10::Device(c10::kCPU);
+}
+
+// Which argument a return aliases (schema alias sets), and whether it writes through it.
+std::optional<std::pair<int, bool>> aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
+  const c10::AliasInfo* info = schema.returns()[ret].alias_info();
+  if (info == nullptr) return std::nullopt;
+  for (size_t a = 0; a < schema.arguments().size(); ++a) {
+    const c10::AliasInfo* arg_info = schema.arguments()[a].alias_info();
+    if (arg_info != nullptr && arg_info->beforeSets() == info->beforeSets())
+      return std::make_pair(static_cast<int>(a), info->isWrite());
+  }
+  return std::nullopt;
+}
+
+InferredOutputs run_on_meta(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
+  SuspendGuard no_interception;  // the meta tensors and the meta call are ours, not the user's
+  const auto& schema = op.schema();
+  InferredOutputs result;
+  for (const auto& ret : schema.returns()) {
+    auto kind = ret.type()->kind();
+    bool tensor = kind == c10::TypeKind::TensorType;
+    bool list = kind == c10::TypeKind::ListType &&
+                ret.type()->containedType(0)->kind() == c10::TypeKind::TensorType;
+    if (!tensor && !list) {
+      result.needs_materialization = true;
+      result.reason = c10::toString(op.operator_name()) + " returns a " + ret.type()->str() +
+                      ", a value only the real computation can give";
+      return result;
+    }
+  }
+  torch::jit::Stack meta_stack;
+  meta_stack.reserve(args.size());
+  for (const c10::IValue& v : args) meta_stack.push_back(ivalue_to_meta(v));
+  try {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.callBoxed(meta_stack);
+  } catch (const c10::Error& e) {
+    result.needs_materialization = true;
+    result.reason = c10::toString(op.operator_name()) +
+                    " has no shape without its data (data-dependent output or no meta kernel): " +
+                    e.what_without_backtrace();
+    return result;
+  }
+  c10::Device device = output_device(schema, args);
+  for (size_t r = 0; r < schema.returns().size(); ++r) {
+    ReturnSpec spec;
+    auto alias = aliased_argument(schema, r);
+    auto describe = [&](const at::Tensor& t) {
+      OutputSpec out;
+      out.meta = meta_of(t);
+      out.meta.device = device;
+      out.meta.requires_grad = false;  // autograd, above us, decides
+      if (alias) {
+        out.kind = alias->second ? OutputSpec::Kind::SameAsArgument : OutputSpec::Kind::ViewOfArgument;
+        out.argument = alias->first;
+      }
+      return out;
+    };
+    const c10::IValue& v = meta_stack[r];
+    if (v.isTensor()) {
+      spec.tensors.push_back(describe(v.toTensor()));
+    } else {
+      spec.is_list = true;
+      for (const at::Tensor& t : v.toTensorList().vec()) spec.tensors.push_back(describe(t));
+    }
+    result.returns.push_back(std::move(spec));
+  }
+  return result;
+}
+
+}  // namespace
+
+const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
+  std::vector<int64_t> key;
+  key.reserve(16 + 8 * args.size());
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
+  for (const c10::IValue& v : args) key_ivalue(key, v);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  InferredOutputs inferred = run_on_meta(op, args);
+  std::lock_guard<std::mutex> lock(cache_mu);
+  return cache.emplace(std::move(key), std::move(inferred)).first->second;
+}
+
+size_t shape_cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mu);
+  return cache.size();
+}
+
+}  // namespace terra::capture

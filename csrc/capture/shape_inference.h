@@ -1,0 +1,41 @@
+// Output metadata of an op without running it: the op is called once on meta tensors and the
+// answer cached under (operator, input metadata, non-tensor arguments), so that an op seen
+// before costs a hash lookup.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <optional>
+#include <vector>
+
+#include "capture/trace_record.h"
+
+namespace terra::capture {
+
+struct OutputSpec {
+  enum class Kind { Fresh, SameAsArgument, ViewOfArgument } kind = Kind::Fresh;
+  int argument = -1;  // for SameAsArgument (in-place / out=) and ViewOfArgument
+  TensorMeta meta;
+};
+
+struct ReturnSpec {
+  bool is_list = false;
+  std::vector<OutputSpec> tensors;  // one entry for a Tensor return, n for Tensor[]
+};
+
+struct InferredOutputs {
+  std::vector<ReturnSpec> returns;
+  // Set when no placeholder can stand in: data-dependent shapes (nonzero, unique), non-tensor
+  // results (item), or ops without a meta kernel. `reason` says which.
+  bool needs_materialization = false;
+  std::string reason;
+};
+
+// `args` are the op's arguments as they sit on the dispatcher stack (placeholders or real).
+const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& args);
+
+// Number of cached entries (for tests and the benchmark).
+size_t shape_cache_size();
+
+}  // namespace terra::capture

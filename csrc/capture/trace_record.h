@@ -1,0 +1,64 @@
+// What the capture layer records for each intercepted aten op: the TraceGraph's only input.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "capture/program_location.h"
+
+namespace terra::capture {
+
+// Sizes, strides and the rest that a placeholder must reproduce.
+struct TensorMeta {
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::Device(c10::kCPU);
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t storage_offset = 0;
+  bool requires_grad = false;
+  bool operator==(const TensorMeta&) const = default;
+};
+
+// Where a tensor input came from: output `output` of record `record`, or external input `external`.
+struct ValueRef {
+  int32_t record = -1;
+  int32_t output = -1;
+  int32_t external = -1;
+  bool is_external() const { return external >= 0; }
+};
+
+struct OpInput {
+  int32_t argument;    // position in the schema's arguments
+  int32_t list_index;  // index inside a Tensor[] argument, -1 for a plain Tensor
+  ValueRef value;
+};
+
+// A tensor the region did not produce: a parameter, a batch, a constant.
+struct ExternalInput {
+  TensorMeta meta;
+  const void* identity;  // the TensorImpl; kept alive by the recorder while the region is open
+};
+
+struct OpRecord {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
+  uint64_t attributes_hash = 0;
+  std::vector<OpInput> inputs;
+  std::vector<TensorMeta> outputs;  // tensor outputs, lists flattened
+  uint64_t location = 0;
+  std::vector<LoopFrame> loops;
+  bool backward = false;               // run by the autograd engine
+  bool needs_materialization = false;  // data-dependent output: a placeholder cannot stand in
+};
+
+struct Trace {
+  std::vector<OpRecord> ops;
+  std::vector<ExternalInput> externals;
+};
+
+}  // namespace terra::capture
