@@ -36,4 +36,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_torch_abi", &check_torch_abi, "Raise if torch's minor release differs from the build's");
   terra::python::init_capture(m);
   terra::python::init_profile(m);
+  terra::python::init_emit(m);
 }
