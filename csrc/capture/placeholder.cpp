@@ -86,8 +86,11 @@ at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& p
 
 at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
                                  const c10::OperatorHandle& producer) {
+  // A view's data comes from its base: name the op that produced the base in errors.
+  auto* base_placeholder = dynamic_cast<PlaceholderImpl*>(base.unsafeGetTensorImpl());
+  const c10::OperatorHandle& origin = base_placeholder ? base_placeholder->producer() : producer;
   return at::Tensor(
-      c10::make_intrusive<PlaceholderImpl>(base.unsafeGetTensorImpl()->unsafe_storage(), meta, producer));
+      c10::make_intrusive<PlaceholderImpl>(base.unsafeGetTensorImpl()->unsafe_storage(), meta, origin));
 }
 
 TensorMeta meta_of(const c10::TensorImpl& t) {

@@ -38,6 +38,7 @@ at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& p
 at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
                                  const c10::OperatorHandle& producer);
 TensorMeta meta_of(const c10::TensorImpl& t);
-inline TensorMeta meta_of(const at::Tensor& t) { return meta_of(*t.unsafeGetTensorImpl()); }
+// An undefined tensor (a gradient nobody needs) has dtype Undefined and nothing else.
+inline TensorMeta meta_of(const at::Tensor& t) { return t.defined() ? meta_of(*t.unsafeGetTensorImpl()) : TensorMeta{}; }
 
 }  // namespace terra::capture

@@ -119,18 +119,18 @@ uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
   return id;
 }
 
-uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index) {
+uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index, const std::string& label) {
   uint64_t id = mix(mix(mix(base, 0xbacc), tag), index);
-  derived_base_.emplace(id, base);
+  if (derived_.find(id) == derived_.end()) derived_.emplace(id, Derived{base, index, label});
   return id;
 }
 
 std::vector<std::string> LocationTracker::describe(uint64_t id) const {
   std::vector<std::string> out;
-  auto derived = derived_base_.find(id);
-  if (derived != derived_base_.end()) {
-    out = describe(derived->second);
-    out.push_back("(backward of the op above)");
+  auto derived = derived_.find(id);
+  if (derived != derived_.end()) {
+    out = describe(derived->second.base);
+    out.push_back("backward: " + derived->second.label + " op " + std::to_string(derived->second.index));
     return out;
   }
   auto it = frames_.find(id);

@@ -43,7 +43,8 @@ class LocationTracker {
   uint64_t capture(std::vector<LoopFrame>* loops);
 
   // An id for a location derived from another (backward ops: forward location + tag).
-  uint64_t derive(uint64_t base, uint64_t tag, uint64_t index);
+  // `label` names it in describe() (the autograd node's name).
+  uint64_t derive(uint64_t base, uint64_t tag, uint64_t index, const std::string& label);
 
   // "file:line in function" per frame, outermost first. Needs the GIL.
   std::vector<std::string> describe(uint64_t id) const;
@@ -64,7 +65,12 @@ class LocationTracker {
   PyObject* loop_finder_ = nullptr;  // terra_torch._locations.loop_ranges
   std::unordered_map<PyCodeObject*, std::vector<LoopRange>> ranges_;
   std::unordered_map<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
-  std::unordered_map<uint64_t, uint64_t> derived_base_;          // derived id -> base id
+  struct Derived {
+    uint64_t base;
+    uint64_t index;
+    std::string label;
+  };
+  std::unordered_map<uint64_t, Derived> derived_;  // derived id -> what it derives from
   std::unordered_map<uint64_t, LoopState> loop_state_;
   std::vector<uint64_t> active_loops_;  // loop ids of the previous capture
   std::vector<FrameRef> scratch_;

@@ -42,6 +42,21 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
   return h;  // None, Generator, ...: the tag says enough
 }
 
+bool is_tensor_type(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) return true;
+  for (const c10::TypePtr& inner : type->containedTypes())
+    if (is_tensor_type(inner)) return true;
+  return false;
+}
+
+bool is_host_op(const c10::OperatorHandle& op) {
+  for (const auto& arg : op.schema().arguments())
+    if (is_tensor_type(arg.type())) return false;
+  for (const auto& ret : op.schema().returns())
+    if (is_tensor_type(ret.type())) return false;
+  return true;
+}
+
 bool is_tensor_like(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
 }
@@ -121,34 +136,42 @@ void Region::add_inputs_and_attributes(OpRecord& rec, const torch::jit::Stack& a
   rec.attributes_hash = h;
 }
 
-uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node) {
-  // Backward ops: the location of the forward op that created the autograd node, plus the
-  // op's index inside that node's backward. The engine thread holds no GIL and no Python frame
-  // of the user's program is on its stack, so the node is the only stable anchor.
-  if (node != nullptr) {
-    rec.backward = true;
-    const void* key = node;
-    if (key != last_backward_node_) {
-      last_backward_node_ = key;
-      backward_index_ = 0;
-    }
-    uint64_t base;
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
-      base = mix(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
-    } else {
-      auto it = node_location_.find(node->sequence_nr());
-      base = it != node_location_.end() ? it->second : mix(0xb0, std::hash<std::string>()(node->name()));
-    }
-    return locations_.derive(base, std::hash<std::string>()(node->name()), backward_index_++);
+uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_python) {
+  // The Python stack gives forward ops their location and every op its loop context. Backward
+  // ops on CPU run on the thread that called backward(), whose frames are still there; on an
+  // engine device thread there are none, and the newest forward op's loops stand in.
+  uint64_t site = 0;
+  if (has_python) {
+    site = locations_.capture(&rec.loops);
+    last_loops_ = rec.loops;
+  } else {
+    rec.loops = last_loops_;
   }
-  last_backward_node_ = nullptr;
-  uint64_t id = locations_.capture(&rec.loops);  // the caller holds the GIL
-  // The autograd node for this op (if any) was created just before autograd redispatched to us,
-  // so it holds the previous sequence number. The first op to see a number is its creator.
-  uint64_t next = at::sequence_number::peek();
-  if (next > 0) node_location_.try_emplace(next - 1, id);
-  return id;
+  if (node == nullptr) {
+    last_backward_node_ = nullptr;
+    // The autograd node for this op (if any) was created just before autograd redispatched to
+    // us, so it holds the previous sequence number. The first op to see a number is its creator.
+    uint64_t next = at::sequence_number::peek();
+    if (next > 0) node_location_.try_emplace(next - 1, site);
+    return site;
+  }
+  // Backward ops: the location of the forward op that created the autograd node, plus the
+  // op's index inside that node's backward, plus where backward() was called.
+  rec.backward = true;
+  if (node != last_backward_node_) {
+    last_backward_node_ = node;
+    backward_index_ = 0;
+  }
+  uint64_t base;
+  if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+    // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
+    base = mix(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
+  } else {
+    auto it = node_location_.find(node->sequence_nr());
+    base = it != node_location_.end() ? it->second : mix(0xb0, std::hash<std::string>()(node->name()));
+  }
+  return locations_.derive(base, mix(std::hash<std::string>()(node->name()), site), backward_index_++,
+                           node->name());
 }
 
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -157,9 +180,9 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Forward ops need the GIL to read the Python stack (torch's bindings released it). Lock
   // order is always GIL -> mu_; backward ops on engine threads take no GIL at all.
   auto node = torch::autograd::get_current_node();
-  const bool forward = node == nullptr;
+  const bool has_python = PyGILState_GetThisThreadState() != nullptr;
   PyGILState_STATE gil{};
-  if (forward) gil = PyGILState_Ensure();
+  if (has_python) gil = PyGILState_Ensure();
   // Our own work runs with interception suspended; an op arriving here from inside it would
   // deadlock on mu_, so it is a bug to report, not to wait on.
   static thread_local bool inside = false;
@@ -170,12 +193,14 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     ~Inside() { inside = false; }
   } inside_guard;
   std::lock_guard<std::mutex> lock(mu_);
-  rec.location = locate(rec, node.get());
-  if (forward) PyGILState_Release(gil);
+  rec.location = locate(rec, node.get(), has_python);
+  if (has_python) PyGILState_Release(gil);
   torch::jit::Stack args(stack->end() - nargs, stack->end());
   add_inputs_and_attributes(rec, args);
 
-  if (mode_ == Mode::Placeholder) {
+  // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
+  // host bookkeeping: nothing of theirs can wait for a graph, so they always run.
+  if (mode_ == Mode::Placeholder && !is_host_op(op)) {
     run_placeholder(op, rec, args, stack);
     return;
   }
@@ -213,7 +238,7 @@ void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
     at::Tensor out;
     switch (spec.kind) {
       case OutputSpec::Kind::Fresh:
-        out = make_placeholder(spec.meta, op);
+        if (spec.meta.dtype != c10::ScalarType::Undefined) out = make_placeholder(spec.meta, op);
         break;
       case OutputSpec::Kind::SameAsArgument:
         out = args[spec.argument].toTensor();

@@ -54,7 +54,7 @@ class Region {
 
   ValueRef reference(const at::Tensor& t);
   void add_inputs_and_attributes(OpRecord& rec, const torch::jit::Stack& args);
-  uint64_t locate(OpRecord& rec, torch::autograd::Node* node);
+  uint64_t locate(OpRecord& rec, torch::autograd::Node* node, bool has_python);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, const torch::jit::Stack& args,
                        torch::jit::Stack* stack);
@@ -71,6 +71,7 @@ class Region {
   std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location
   const void* last_backward_node_ = nullptr;
   uint64_t backward_index_ = 0;
+  std::vector<LoopFrame> last_loops_;
 };
 
 // The region ops are routed to, or nullptr.

@@ -116,6 +116,14 @@ std::optional<std::pair<int, bool>> aliased_argument(const c10::FunctionSchema& 
   return std::nullopt;
 }
 
+InferredOutputs cannot_infer(const c10::OperatorHandle& op, const std::string& why) {
+  InferredOutputs result;
+  result.needs_materialization = true;
+  result.reason = c10::toString(op.operator_name()) +
+                  " has no shape without its data (data-dependent output or no meta kernel): " + why;
+  return result;
+}
+
 InferredOutputs run_on_meta(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
   SuspendGuard no_interception;  // the meta tensors and the meta call are ours, not the user's
   const auto& schema = op.schema();
@@ -139,11 +147,9 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, const torch::jit::Sta
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.callBoxed(meta_stack);
   } catch (const c10::Error& e) {
-    result.needs_materialization = true;
-    result.reason = c10::toString(op.operator_name()) +
-                    " has no shape without its data (data-dependent output or no meta kernel): " +
-                    e.what_without_backtrace();
-    return result;
+    return cannot_infer(op, e.what_without_backtrace());
+  } catch (const std::exception& e) {  // a meta kernel written in Python raised
+    return cannot_infer(op, e.what());
   }
   c10::Device device = output_device(schema, args);
   for (size_t r = 0; r < schema.returns().size(); ++r) {

@@ -1,0 +1,338 @@
+"""Runners: the ways a user can run the same imperative training loop.
+
+A runner decides where the program's tensors live, what `rt.wrap(model, example_inputs)` does,
+whether the step function itself is wrapped, and what happens between and after steps. Each is a
+small class; RUNNERS maps the command-line name to a factory. Runners import their tools lazily
+(inside methods), so importing this module costs only `import torch`.
+
+Adding a runner: subclass Runner, override what differs, and add it with `register_runner`. The
+terra runners below are the plug-in point for terra_torch; see docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+StepFn = Callable[[Any, int], Any]
+
+
+class Runner:
+    """Eager PyTorch; the base every other runner changes as little as it can."""
+
+    name = "eager"
+    device = "cpu"
+    note = "plain imperative PyTorch (the reference)"
+
+    def unavailable_reason(self) -> str | None:
+        """None when the runner can run here, else a one-line reason recorded in the results."""
+        return None
+
+    def setup(self) -> None:
+        """Called once per worker process, before the program is built."""
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        """What `rt.wrap(model, example_inputs)` returns."""
+        return model
+
+    def wrap_step(self, step: StepFn) -> StepFn:
+        """What the harness calls each step instead of `program.step`."""
+        return step
+
+    def end_step(self) -> None:
+        """Called after every step (LazyTensor cuts its graph here)."""
+
+    def sync(self) -> None:
+        """Called at the end of each timed repetition: all queued work must be finished."""
+
+    def stats(self) -> dict[str, Any]:
+        """Runner-specific counters (graph breaks, recompiles, lazy compiles, ...)."""
+        return {}
+
+    def breakdown(self) -> dict[str, float] | None:
+        """Time breakdown (PythonRunner/GraphRunner exec and stall); None = not measured."""
+        return None
+
+
+class CompileRunner(Runner):
+    """torch.compile(model) with the default Inductor backend: the one-line peer."""
+
+    name = "compile"
+    note = "torch.compile(model), backend inductor, default options"
+
+    def __init__(self) -> None:
+        self._recompiles = _DynamoLogCounter()
+
+    def setup(self) -> None:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        self._recompiles.install()
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        return torch.compile(model)
+
+    def stats(self) -> dict[str, Any]:
+        return {**_dynamo_counters(), **self._recompiles.summary()}
+
+
+class CompileStepRunner(CompileRunner):
+    """torch.compile over the whole step function (forward, backward, optimizer, Python logic)."""
+
+    name = "compile-step"
+    note = "torch.compile(step_fn): the training-step body, not only the model"
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        return model
+
+    def wrap_step(self, step: StepFn) -> StepFn:
+        return torch.compile(step)
+
+
+class TraceRunner(Runner):
+    """torch.jit.trace(model, example_inputs): records one run's ops, control flow baked in."""
+
+    name = "jit-trace"
+    note = "torch.jit.trace(model, example_inputs, check_trace=False)"
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        # check_trace=False: the checker would run forward again, repeating its side effects
+        # (BatchNorm statistics, Python counters); it finds nothing the comparison with eager
+        # below does not.
+        return torch.jit.trace(model, example_inputs, check_trace=False)
+
+
+class ScriptRunner(Runner):
+    """torch.jit.script(model): compiles forward from source, in TorchScript's typed subset."""
+
+    name = "jit-script"
+    note = "torch.jit.script(model)"
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        return torch.jit.script(model)
+
+
+class LazyRunner(Runner):
+    """LazyTensor (torch._lazy, TorchScript backend): ops recorded, executed at mark_step."""
+
+    name = "lazy"
+    device = "lazy"
+    note = "torch._lazy TorchScript backend, device='lazy', mark_step() after every step"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import torch._lazy
+            import torch._lazy.ts_backend
+
+            torch._lazy.ts_backend.init()
+            probe = (torch.ones(2, device="lazy") * 2).sum()
+            torch._lazy.mark_step()
+            if float(probe.cpu()) != 4.0:
+                return "torch._lazy probe computed a wrong value"
+        except Exception as exc:  # any failure here is the reason the column is empty
+            return f"torch._lazy unavailable: {type(exc).__name__}: {_first_line(exc)}"
+        return None
+
+    def setup(self) -> None:
+        import torch._lazy.metrics
+
+        torch._lazy.metrics.reset()
+
+    def end_step(self) -> None:
+        import torch._lazy
+
+        torch._lazy.mark_step()
+
+    def sync(self) -> None:
+        import torch._lazy
+
+        torch._lazy.mark_step()
+        torch._lazy.wait_device_ops()
+
+    def stats(self) -> dict[str, Any]:
+        import torch._lazy.metrics as metrics
+
+        wanted = ("UncachedCompile", "CachedCompile", "DeviceDataCacheMiss", "MarkStep")
+        present = set(metrics.counter_names())
+        return {f"lazy_{name}": int(metrics.counter_value(name)) for name in wanted
+                if name in present}
+
+
+class TerraRunner(Runner):
+    """terra_torch, plugged in once the package exposes `wrap` or `function`.
+
+    mode: "coexec" (co-execution), "lazy" (serialized: Python waits for each graph run),
+    "graph-only" (graph execution with no Python overlap). Until terra_torch provides the entry
+    points, `unavailable_reason` says so and the column stays empty: nothing is faked.
+    """
+
+    API_NAMES = ("wrap", "function")
+
+    def __init__(self, name: str, mode: str) -> None:
+        self.name = name
+        self.mode = mode
+        self.note = f"terra_torch, mode={mode}"
+        self._terra: Any = None
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import terra_torch
+        except Exception as exc:
+            return f"import terra_torch failed: {type(exc).__name__}: {_first_line(exc)}"
+        if not any(hasattr(terra_torch, api) for api in self.API_NAMES):
+            return "not available yet: terra_torch has neither wrap nor function"
+        self._terra = terra_torch
+        return None
+
+    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
+        # With terra_torch.function the step is the iteration; models are then left alone.
+        if hasattr(self._terra, "function"):
+            return model
+        return self._terra.wrap(model, mode=self.mode)
+
+    def wrap_step(self, step: StepFn) -> StepFn:
+        if hasattr(self._terra, "function"):
+            return self._terra.function(step, mode=self.mode)
+        return step
+
+    def sync(self) -> None:
+        synchronize = getattr(self._terra, "synchronize", None)
+        if callable(synchronize):
+            synchronize()
+
+    def stats(self) -> dict[str, Any]:
+        raw = _terra_stats(self._terra)
+        return {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool))}
+
+    def breakdown(self) -> dict[str, float] | None:
+        raw = _terra_stats(self._terra)
+        keys = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
+        if not all(isinstance(raw.get(k), (int, float)) for k in keys):
+            return None
+        return {k: float(raw[k]) for k in keys}
+
+
+def _terra_stats(terra: Any) -> dict[str, Any]:
+    """terra_torch.stats() when it exists (a dict), else {}."""
+    fn = getattr(terra, "stats", None)
+    if not callable(fn):
+        return {}
+    result = fn()
+    return dict(result) if isinstance(result, dict) else {}
+
+
+RunnerFactory = Callable[[], Runner]
+
+RUNNERS: dict[str, RunnerFactory] = {}
+
+
+def register_runner(name: str, factory: RunnerFactory) -> None:
+    """Make `--runners name` available."""
+    RUNNERS[name] = factory
+
+
+def make_runner(name: str) -> Runner:
+    """A fresh runner for one worker process."""
+    if name not in RUNNERS:
+        raise KeyError(f"unknown runner {name!r}; known: {', '.join(RUNNERS)}")
+    return RUNNERS[name]()
+
+
+register_runner("eager", Runner)
+register_runner("compile", CompileRunner)
+register_runner("compile-step", CompileStepRunner)
+register_runner("jit-trace", TraceRunner)
+register_runner("jit-script", ScriptRunner)
+register_runner("lazy", LazyRunner)
+register_runner("terra", lambda: TerraRunner("terra", "coexec"))
+register_runner("terra-lazy", lambda: TerraRunner("terra-lazy", "lazy"))
+register_runner("terra-graph-only", lambda: TerraRunner("terra-graph-only", "graph-only"))
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else "")[:limit]
+
+
+def _dynamo_counters() -> dict[str, Any]:
+    """Graph breaks and graphs from torch._dynamo.utils.counters (cheap, always on)."""
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters.get("graph_break", {}))
+    reasons = sorted(breaks.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": [f"{n}x {_squash(r)}" for r, n in reasons],
+        "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+        "frames_compiled": int(counters.get("frames", {}).get("total", 0)),
+        "compile_time_s": _dynamo_compile_seconds(),
+    }
+
+
+def _dynamo_compile_seconds() -> float:
+    """Total seconds Dynamo spent compiling frames (all phases), from its own timers."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    times = compilation_time_metrics.get("_compile.compile_inner", [])
+    return round(float(sum(times)), 3)
+
+
+def _squash(text: str, limit: int = 160) -> str:
+    return " ".join(str(text).split())[:limit]
+
+
+class _DynamoLogCounter(logging.Handler):
+    """Counts Dynamo recompilations and recompile-limit hits from its own log records.
+
+    Dynamo logs "Recompiling function ..." on the `recompiles` artifact logger (enabled here
+    with torch._logging.set_logs) and warns "torch._dynamo hit config.recompile_limit" from
+    torch._dynamo.convert_frame when it gives up on a frame and runs it eagerly.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.recompiles = 0
+        self.limit_hits = 0
+        self.first_reasons: list[str] = []
+
+    def install(self) -> None:
+        import torch._logging
+
+        torch._logging.set_logs(recompiles=True)
+        for logger_name in ("torch._dynamo", "torch._dynamo.guards", "torch._dynamo.convert_frame"):
+            logger = logging.getLogger(logger_name)
+            if self not in logger.handlers:
+                logger.addHandler(self)
+        self._silence_stderr_copies()
+
+    def _silence_stderr_copies(self) -> None:
+        """set_logs also prints each record to stderr; keep only our counting handler."""
+        for logger in _artifact_loggers("recompiles"):
+            logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Recompiling function"):
+            self.recompiles += 1
+            if len(self.first_reasons) < 3:
+                self.first_reasons.append(_squash(message, 240))
+        elif "hit config." in message:
+            self.limit_hits += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "recompiles": self.recompiles,
+            "recompile_limit_hits": self.limit_hits,
+            "recompile_reasons": list(self.first_reasons),
+        }
+
+
+def _artifact_loggers(artifact: str) -> list[logging.Logger]:
+    """Loggers torch._logging created for an artifact (named '<module>.__<artifact>')."""
+    suffix = f".__{artifact}"
+    manager = logging.Logger.manager
+    return [logger for name, logger in manager.loggerDict.items()
+            if name.endswith(suffix) and isinstance(logger, logging.Logger)]
