@@ -12,6 +12,7 @@ terra runners below are the plug-in point for terra_torch; see docs/BENCHMARKS.m
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable
 
 import torch
@@ -287,9 +288,10 @@ def _squash(text: str, limit: int = 160) -> str:
 class _DynamoLogCounter(logging.Handler):
     """Counts Dynamo recompilations and recompile-limit hits from its own log records.
 
-    Dynamo logs "Recompiling function ..." on the `recompiles` artifact logger (enabled here
-    with torch._logging.set_logs) and warns "torch._dynamo hit config.recompile_limit" from
-    torch._dynamo.convert_frame when it gives up on a frame and runs it eagerly.
+    Dynamo logs "Recompiling function ..." on its `recompiles` artifact logger (enabled here
+    with torch._logging.set_logs, which also echoes it to the worker's log) and warns "torch._dynamo
+    hit config.recompile_limit" from torch._dynamo.convert_frame when it gives up on a frame and
+    runs it eagerly. A record can reach this handler through several loggers: count it once.
     """
 
     def __init__(self) -> None:
@@ -297,28 +299,29 @@ class _DynamoLogCounter(logging.Handler):
         self.recompiles = 0
         self.limit_hits = 0
         self.first_reasons: list[str] = []
+        self._seen: set[tuple[float, str, int]] = set()
 
     def install(self) -> None:
         import torch._logging
 
         torch._logging.set_logs(recompiles=True)
-        for logger_name in ("torch._dynamo", "torch._dynamo.guards", "torch._dynamo.convert_frame"):
-            logger = logging.getLogger(logger_name)
+        loggers = _artifact_loggers("recompiles") + [logging.getLogger("torch._dynamo")]
+        for logger in loggers:
             if self not in logger.handlers:
                 logger.addHandler(self)
-        self._silence_stderr_copies()
-
-    def _silence_stderr_copies(self) -> None:
-        """set_logs also prints each record to stderr; keep only our counting handler."""
-        for logger in _artifact_loggers("recompiles"):
-            logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
+        key = (record.created, record.pathname, record.lineno)
+        if key in self._seen:
+            return
+        self._seen.add(key)
         message = record.getMessage()
         if message.startswith("Recompiling function"):
             self.recompiles += 1
-            if len(self.first_reasons) < 3:
-                self.first_reasons.append(_squash(message, 240))
+            reason = message.split("guard failure(s):", 1)[-1].split("(HINT", 1)[0]
+            reason = _squash(re.sub(r"^\s*- \d+/\d+: ", "", reason), 200)
+            if reason not in self.first_reasons and len(self.first_reasons) < 3:
+                self.first_reasons.append(reason)
         elif "hit config." in message:
             self.limit_hits += 1
 

@@ -12,7 +12,7 @@ import importlib
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 PROGRAM_PACKAGE = "benchmarks.programs"
 
@@ -47,17 +47,6 @@ class Runtime:
             self.wrapped.append(type(model).__name__)
 
 
-@dataclass(frozen=True)
-class ProgramInfo:
-    """The static description of a program module, read without building it."""
-
-    name: str
-    description: str
-    features: tuple[str, ...]
-    steps_per_rep: int
-    quick_steps_per_rep: int
-
-
 REQUIRED = ("DESCRIPTION", "FEATURES", "STEPS_PER_REP", "build", "step")
 
 
@@ -76,19 +65,3 @@ def load_program(name: str) -> ModuleType:
     if missing:
         raise TypeError(f"program {name} lacks {', '.join(missing)}")
     return module
-
-
-def program_info(name: str) -> ProgramInfo:
-    """Read a program's description (imports the module, which imports torch)."""
-    module = load_program(name)
-    steps = int(module.STEPS_PER_REP)
-    return ProgramInfo(
-        name=name,
-        description=str(module.DESCRIPTION),
-        features=tuple(module.FEATURES),
-        steps_per_rep=steps,
-        quick_steps_per_rep=int(getattr(module, "QUICK_STEPS_PER_REP", steps)),
-    )
-
-
-StepFn = Callable[[Any, int], Any]

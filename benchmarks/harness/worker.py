@@ -84,6 +84,7 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
         state = module.build(cfg.seed, rt)
         out["build_s"] = time.perf_counter() - start
         out["wrap_s"] = rt.wrap_seconds
+        out["wrapped"] = rt.wrapped
         step = runner.wrap_step(module.step)
         phase = "step 0"
         out["first_step_s"] = _time_steps(step, runner, state, 0, 1, outputs)
@@ -99,6 +100,8 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
     except BaseException as exc:  # record and return: the cell failed, the harness goes on
         if isinstance(exc, KeyboardInterrupt):
             raise
+        if phase.startswith("step"):
+            phase = f"step {len(outputs)}"  # steps before it all returned
         out.update(status="error", phase=phase, error=_describe(exc))
     out["losses"] = _to_floats(outputs)
     out["steps_total"] = len(outputs)
@@ -146,14 +149,18 @@ def _timing_summary(rep_times: list[float], spr: int) -> dict[str, Any]:
     }
 
 
-def _to_floats(outputs: list[Any]) -> list[float | None]:
-    """Loss values as Python floats (exact; NaN/inf become None/strings in JSON later)."""
-    values: list[float | None] = []
+def _to_floats(outputs: list[Any]) -> list[float]:
+    """Loss values as exact Python floats, up to the first one that cannot be read.
+
+    After a failed step a runner may be unable to produce earlier values too (LazyTensor loses
+    every pending tensor when mark_step fails): the trajectory ends where values end.
+    """
+    values: list[float] = []
     for value in outputs:
         try:
             values.append(float(value))
         except Exception:
-            values.append(None)
+            break
     return values
 
 
@@ -163,13 +170,16 @@ def _digest(module: Any, state: Any) -> list[float] | None:
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
-    """Exception type, first line of its message, and the innermost program frame."""
-    message = str(exc).strip().splitlines()
+    """Exception type, message (first and last lines), and the innermost benchmark frame."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    message = lines[0] if lines else ""
+    if len(lines) > 1:
+        message += " ... " + lines[-1]  # TorchScript puts the real reason last
     frames = traceback.extract_tb(exc.__traceback__)
-    where = next((f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
-                  for f in reversed(frames) if "benchmarks/programs" in f.filename), "")
-    return {"type": type(exc).__name__, "message": (message[0] if message else "")[:400],
-            "where": where}
+    ours = [f for f in frames if "benchmarks/programs" in f.filename] or \
+        [f for f in frames if "benchmarks/harness" in f.filename]
+    where = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
+    return {"type": type(exc).__name__, "message": message[:400], "where": where}
 
 
 def _summarize_warnings(caught: list[warnings.WarningMessage]) -> list[str]:

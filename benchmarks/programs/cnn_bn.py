@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "2 x (Conv3x3 + BatchNorm + ReLU), pool, Linear; 8x3x16x16, SGD+momentum"
@@ -44,7 +45,7 @@ class State:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     batches = []

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "DCGAN 16x16: ConvT generator, conv discriminator (BatchNorm), 2 x Adam"
@@ -82,7 +83,7 @@ def make_images(gen: torch.Generator) -> torch.Tensor:
     return (2 * torch.exp(-dist2 / 0.1) - 1).unsqueeze(1)
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     real = [make_images(gen).to(rt.device) for _ in range(4)]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "GPT-2-style, 2 layers, 2 heads, d=32, context 16, vocab 64, tied head, AdamW"
@@ -72,6 +73,14 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)
@@ -101,7 +110,7 @@ def make_tokens(gen: torch.Generator, batch: int = 8) -> torch.Tensor:
     return seq
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     batches = []

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "LSTMCell(8->32) unrolled in Python over 12 steps, Linear head, Adam"
@@ -58,7 +59,7 @@ def make_batch(gen: torch.Generator, steps: int = 13, batch: int = 16) -> torch.
     return waves + 0.05 * torch.randn(waves.shape, generator=gen)
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     batches = []

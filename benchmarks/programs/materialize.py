@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "MLP regressor; .item() in forward, numpy hard-example mining, numpy-set lr, print"
@@ -52,7 +53,7 @@ class State:
     base_lr: float = 0.05
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     w_true = torch.randn(16, 4, generator=gen)

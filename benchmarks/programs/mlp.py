@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "8 x Linear(32) + ReLU, batch 16, SGD; overhead-bound"
@@ -43,13 +44,14 @@ class State:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
+    teacher = torch.randn(16, 4, generator=gen)
     batches = []
     for _ in range(8):
         x = torch.randn(16, 16, generator=gen)
-        y = torch.randint(0, 4, (16,), generator=gen)
+        y = (x @ teacher).argmax(dim=1)  # learnable labels
         batches.append((x.to(rt.device), y.to(rt.device)))
     net = MLP().to(rt.device)
     model = rt.wrap(net, (batches[0][0],))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "MLP whose forward mutates a counter, a float attribute and a list; EMA weights"
@@ -52,13 +53,14 @@ class State:
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
+    teacher = torch.randn(16, 4, generator=gen)
     batches = []
     for _ in range(5):
         x = torch.randn(16, 16, generator=gen)
-        y = torch.randint(0, 4, (16,), generator=gen)
+        y = (x @ teacher).argmax(dim=1)  # learnable labels
         batches.append((x.to(rt.device), y.to(rt.device)))
     net = TrackedMLP().to(rt.device)
     model = rt.wrap(net, (batches[0][0],))

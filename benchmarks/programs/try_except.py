@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "bag-of-embeddings classifier; IndexError on corrupt ids caught, retried clamped"
@@ -51,7 +52,7 @@ class State:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def build(seed: int, rt) -> State:
+def build(seed: int, rt: Runtime) -> State:
     torch.manual_seed(seed)
     gen = data_generator(seed)
     batches = []

@@ -97,8 +97,8 @@ TensorMeta meta_of(const c10::TensorImpl& t) {
   TensorMeta m;
   m.dtype = c10::typeMetaToScalarType(t.dtype());
   m.device = t.device();
-  m.sizes = t.sizes().vec();
-  m.strides = t.strides().vec();
+  m.sizes.assign(t.sizes().begin(), t.sizes().end());
+  m.strides.assign(t.strides().begin(), t.strides().end());
   m.storage_offset = t.storage_offset();
   m.requires_grad = t.requires_grad();
   return m;

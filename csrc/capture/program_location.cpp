@@ -53,6 +53,27 @@ const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCo
   return ranges_.emplace(code, std::move(found)).first->second;
 }
 
+void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out) {
+  // The op's position inside the loop body: instruction offsets from the loop's frame inwards,
+  // where a nested loop counts as its head (its own iterations must not look like ours).
+  // Within one iteration positions never decrease; a smaller one means the body started over.
+  out->clear();
+  for (size_t e = depth; e < scratch_.size(); ++e) {
+    int offset = scratch_[e].lasti;
+    bool nested = false;
+    for (const LoopRange& inner : loop_ranges(scratch_[e].code)) {
+      bool encloses_ours = e == depth && inner.start <= loop.start && inner.end >= loop.end;
+      if (!encloses_ours && offset >= inner.start && offset <= inner.end) {
+        offset = inner.start;
+        nested = true;
+        break;
+      }
+    }
+    out->push_back(offset);
+    if (nested) return;
+  }
+}
+
 uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
   // Walk innermost -> outermost, then reverse, so that locations read top-down.
   scratch_.clear();
@@ -70,7 +91,7 @@ uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
   std::reverse(scratch_.begin(), scratch_.end());
 
   uint64_t id = 0x7e77a;
-  std::vector<uint64_t> active;
+  active_.clear();
   if (loops) loops->clear();
   for (size_t d = 0; d < scratch_.size(); ++d) {
     const FrameRef& f = scratch_[d];
@@ -80,36 +101,20 @@ uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
     for (const LoopRange& r : loop_ranges(f.code)) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
       uint64_t loop_id = mix(mix(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
-      active.push_back(loop_id);
-      // Position of the op inside this loop's body: offsets from here inwards, where a nested
-      // loop counts as its head. A position that does not advance starts a new iteration.
-      std::vector<int64_t> position;
-      for (size_t e = d; e < scratch_.size(); ++e) {
-        int off = scratch_[e].lasti;
-        bool nested = false;
-        for (const LoopRange& inner : loop_ranges(scratch_[e].code)) {
-          bool encloses_outer = (e == d) && inner.start <= r.start && inner.end >= r.end;
-          if (!encloses_outer && off >= inner.start && off <= inner.end && !(e == d && inner.start == r.start)) {
-            off = inner.start;
-            nested = true;
-            break;
-          }
-        }
-        position.push_back(off);
-        if (nested) break;
-      }
+      active_.push_back(loop_id);
       LoopState& state = loop_state_[loop_id];
-      bool was_active = std::find(active_loops_.begin(), active_loops_.end(), loop_id) != active_loops_.end();
+      bool was_active = std::find(previous_active_.begin(), previous_active_.end(), loop_id) != previous_active_.end();
+      position_in_loop(d, r, &position_);
       if (!was_active) {
         state.iteration = 0;  // (re-)entered
-      } else if (position < state.last_position) {
-        ++state.iteration;
+      } else if (position_ < state.last_position) {
+        ++state.iteration;  // the body started over
       }
-      state.last_position = std::move(position);
+      state.last_position.assign(position_.begin(), position_.end());
       if (loops) loops->push_back({loop_id, state.iteration});
     }
   }
-  active_loops_ = std::move(active);
+  std::swap(active_, previous_active_);
 
   auto [it, inserted] = frames_.try_emplace(id);
   if (inserted) {

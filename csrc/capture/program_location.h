@@ -60,6 +60,7 @@ class LocationTracker {
   };
 
   const std::vector<LoopRange>& loop_ranges(PyCodeObject* code);
+  void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
   PyFrameObject* stop_frame_;
   PyObject* loop_finder_ = nullptr;  // terra_torch._locations.loop_ranges
@@ -72,7 +73,10 @@ class LocationTracker {
   };
   std::unordered_map<uint64_t, Derived> derived_;  // derived id -> what it derives from
   std::unordered_map<uint64_t, LoopState> loop_state_;
-  std::vector<uint64_t> active_loops_;  // loop ids of the previous capture
+  // Reused buffers: a capture allocates nothing once they have grown.
+  std::vector<uint64_t> active_;           // loops enclosing the current op
+  std::vector<uint64_t> previous_active_;  // ... and the previous op
+  std::vector<int64_t> position_;
   std::vector<FrameRef> scratch_;
 };
 

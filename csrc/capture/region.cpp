@@ -65,7 +65,10 @@ bool is_tensor_like(const c10::IValue& v) {
 
 Region* active_region() { return g_active.load(std::memory_order_acquire); }
 
-Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {}
+Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {
+  trace_.ops.reserve(1024);  // a training step is hundreds to thousands of ops
+  produced_.reserve(1024);
+}
 
 Region::~Region() {
   if (open_) close();
@@ -112,7 +115,7 @@ void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
                                                 t.getIntrusivePtr()), ref});
 }
 
-void Region::add_inputs_and_attributes(OpRecord& rec, const torch::jit::Stack& args) {
+void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args) {
   uint64_t h = 0x5eed;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = args[i];
@@ -195,7 +198,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   std::lock_guard<std::mutex> lock(mu_);
   rec.location = locate(rec, node.get(), has_python);
   if (has_python) PyGILState_Release(gil);
-  torch::jit::Stack args(stack->end() - nargs, stack->end());
+  c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 
   // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
@@ -223,7 +226,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 }
 
 void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
-                             const torch::jit::Stack& args, torch::jit::Stack* stack) {
+                             c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) {
   const size_t nargs = args.size();
   const InferredOutputs& inferred = infer_outputs(op, args);
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
@@ -232,7 +235,7 @@ void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
     trace_.ops.push_back(std::move(rec));
     TORCH_CHECK(false, "terra_torch: cannot continue with placeholders: ", inferred.reason);
   }
-  torch::jit::drop(*stack, nargs);
+  // Build the outputs while the arguments are still on the stack (outputs may be arguments).
   int32_t k = 0;
   auto make = [&](const OutputSpec& spec) {
     at::Tensor out;
@@ -251,15 +254,18 @@ void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
     produce(out, index, k++);
     return out;
   };
+  c10::SmallVector<c10::IValue, 4> results;
   for (const ReturnSpec& ret : inferred.returns) {
     if (!ret.is_list) {
-      stack->push_back(make(ret.tensors[0]));
+      results.emplace_back(make(ret.tensors[0]));
     } else {
       c10::List<at::Tensor> list;
       for (const OutputSpec& spec : ret.tensors) list.push_back(make(spec));
-      stack->push_back(std::move(list));
+      results.emplace_back(std::move(list));
     }
   }
+  torch::jit::drop(*stack, nargs);
+  for (c10::IValue& v : results) stack->push_back(std::move(v));
   trace_.ops.push_back(std::move(rec));
 }
 

@@ -7,6 +7,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -17,16 +18,22 @@ namespace terra::capture {
 
 namespace {
 
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    uint64_t h = 1469598103934665603ULL;
-    for (int64_t v : k) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
-    return h;
-  }
+uint64_t hash_key(const std::vector<int64_t>& k) {
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t v : k) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
+  return h;
+}
+
+struct CacheEntry {
+  std::vector<int64_t> key;
+  InferredOutputs outputs;
 };
 
+// Keyed by the hash; the full key is compared so that a collision cannot give wrong shapes.
+// Entries are never erased, so references handed out stay valid.
 std::mutex cache_mu;
-std::unordered_map<std::vector<int64_t>, InferredOutputs, KeyHash> cache;
+std::unordered_map<uint64_t, std::vector<std::unique_ptr<CacheEntry>>> cache;
+size_t cache_entries = 0;
 
 void key_tensor(std::vector<int64_t>& key, const at::Tensor& t) {
   if (!t.defined()) { key.push_back(-7); return; }
@@ -93,7 +100,7 @@ c10::IValue ivalue_to_meta(const c10::IValue& v) {
 }
 
 // The device outputs live on: an explicit `device` argument, else the first tensor input's.
-c10::Device output_device(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+c10::Device output_device(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args) {
   for (size_t i = 0; i < args.size(); ++i) {
     if (schema.arguments()[i].name() == "device" && args[i].isDevice()) return args[i].toDevice();
   }
@@ -124,7 +131,7 @@ InferredOutputs cannot_infer(const c10::OperatorHandle& op, const std::string& w
   return result;
 }
 
-InferredOutputs run_on_meta(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
+InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
   SuspendGuard no_interception;  // the meta tensors and the meta call are ours, not the user's
   const auto& schema = op.schema();
   InferredOutputs result;
@@ -180,24 +187,29 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, const torch::jit::Sta
 
 }  // namespace
 
-const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
-  std::vector<int64_t> key;
-  key.reserve(16 + 8 * args.size());
+const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  // The key buffer is reused: a cache hit allocates nothing.
+  thread_local std::vector<int64_t> key;
+  key.clear();
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
   for (const c10::IValue& v : args) key_ivalue(key, v);
+  const uint64_t h = hash_key(key);
   {
     std::lock_guard<std::mutex> lock(cache_mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
+    auto it = cache.find(h);
+    if (it != cache.end())
+      for (const auto& entry : it->second)
+        if (entry->key == key) return entry->outputs;
   }
-  InferredOutputs inferred = run_on_meta(op, args);
+  auto entry = std::make_unique<CacheEntry>(CacheEntry{key, run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
-  return cache.emplace(std::move(key), std::move(inferred)).first->second;
+  ++cache_entries;
+  return cache[h].emplace_back(std::move(entry))->outputs;
 }
 
 size_t shape_cache_size() {
   std::lock_guard<std::mutex> lock(cache_mu);
-  return cache.size();
+  return cache_entries;
 }
 
 }  // namespace terra::capture

@@ -33,7 +33,7 @@ struct InferredOutputs {
 };
 
 // `args` are the op's arguments as they sit on the dispatcher stack (placeholders or real).
-const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& args);
+const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
 
 // Number of cached entries (for tests and the benchmark).
 size_t shape_cache_size();

@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <vector>
@@ -17,11 +18,14 @@ namespace terra::capture {
 struct TensorMeta {
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::Device(c10::kCPU);
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  c10::SmallVector<int64_t, 6> sizes;  // inline up to 6 dims: no allocation per output
+  c10::SmallVector<int64_t, 6> strides;
   int64_t storage_offset = 0;
   bool requires_grad = false;
-  bool operator==(const TensorMeta&) const = default;
+  bool operator==(const TensorMeta& o) const {
+    return dtype == o.dtype && device == o.device && sizes == o.sizes && strides == o.strides &&
+           storage_offset == o.storage_offset && requires_grad == o.requires_grad;
+  }
 };
 
 // Where a tensor input came from: output `output` of record `record`, or external input `external`.

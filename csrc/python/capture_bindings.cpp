@@ -20,7 +20,8 @@ using capture::Mode;
 using capture::Region;
 
 py::tuple meta_tuple(const capture::TensorMeta& m) {
-  return py::make_tuple(torch::jit::toPyObject(c10::IValue(m.dtype)), m.sizes, m.strides, m.storage_offset,
+  return py::make_tuple(torch::jit::toPyObject(c10::IValue(m.dtype)), std::vector<int64_t>(m.sizes.begin(), m.sizes.end()),
+                        std::vector<int64_t>(m.strides.begin(), m.strides.end()), m.storage_offset,
                         m.device.str(), m.requires_grad);
 }
 

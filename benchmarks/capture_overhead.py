@@ -1,0 +1,75 @@
+"""Per-op cost of the capture layer (issue 3): a chain of 1,000 small ops (8x8 add / mul / relu)
+in eager mode, recording mode and placeholder mode. Median of several runs; per-op microseconds
+and the ratio to eager. Run: .venv/bin/python -m benchmarks.capture_overhead [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import terra_torch
+from terra_torch import _C
+
+N_OPS = 1000
+
+
+def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    for _ in range(N_OPS // 3):
+        x = torch.add(x, y)
+        x = torch.mul(x, y)
+        x = torch.relu(x)
+    return x
+
+
+def run_eager(x, y) -> None:
+    chain(x, y)
+
+
+def make_region_runner(mode: str):
+    def run(x, y) -> None:
+        region = _C.Region(mode, sys._getframe(0))
+        region.open()
+        try:
+            chain(x, y)
+        finally:
+            region.close()
+
+    return run
+
+
+def time_per_op(fn, x, y, reps: int) -> float:
+    fn(x, y)  # warm-up (fills the shape cache in placeholder mode)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x, y)
+        samples.append((time.perf_counter() - start) / (3 * (N_OPS // 3)))
+    return statistics.median(samples) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    rows = [
+        ("eager", run_eager),
+        ("recording", make_region_runner("record")),
+        ("placeholder", make_region_runner("placeholder")),
+    ]
+    results = {name: time_per_op(fn, x, y, args.reps) for name, fn in rows}
+    print(f"torch {torch.__version__}, terra_torch {terra_torch.__version__}, {N_OPS} ops of 8x8, "
+          f"median of {args.reps}")
+    print(f"{'mode':<12} {'us/op':>8} {'x eager':>8}")
+    for name, us in results.items():
+        print(f"{name:<12} {us:8.2f} {us / results['eager']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

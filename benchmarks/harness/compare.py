@@ -1,0 +1,96 @@
+"""Correctness of a cell: its loss trajectory and final-state digest against eager's.
+
+Every runner runs the same program from the same seed for the same number of steps, so the
+trajectories compare step by step. Verdicts, from best to worst:
+  bitwise  every loss and digest value identical to eager's (what terra_torch promises);
+  close    all within tolerance: |x - ref| <= RTOL * max(1, |ref|) (reassociated floating point
+           in fused kernels, different reduction orders);
+  WRONG    the run finished but differs beyond tolerance: a silently wrong result;
+  error    the run failed; `prefix` says whether the steps before the failure already differed.
+Eager itself is checked by running it twice (determinism).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+RTOL = 1e-3
+
+Value = float | str | None
+
+
+def as_float(value: Value) -> float:
+    """JSON-loaded loss value to float ('nan'/'inf' strings and None included)."""
+    if value is None:
+        return math.nan
+    return float(value)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _error(a: float, b: float) -> float:
+    """Error of a against reference b in units of the tolerance (<= 1 is within tolerance)."""
+    if _same(a, b):
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / (RTOL * max(1.0, abs(b)))
+
+
+def compare_series(ref: Sequence[Value], got: Sequence[Value]) -> dict[str, Any]:
+    """Step-by-step comparison over the common prefix."""
+    n = min(len(ref), len(got))
+    r = [as_float(v) for v in ref[:n]]
+    g = [as_float(v) for v in got[:n]]
+    errors = [_error(a, b) for a, b in zip(g, r)]
+    first_diff = next((k for k in range(n) if not _same(g[k], r[k])), None)
+    first_bad = next((k for k in range(n) if errors[k] > 1.0), None)
+    max_rel = max((abs(a - b) / max(1.0, abs(b)) for a, b in zip(g, r)
+                   if math.isfinite(a) and math.isfinite(b)), default=0.0)
+    return {
+        "compared": n,
+        "bitwise": first_diff is None,
+        "within_tol": first_bad is None,
+        "first_diff_step": first_diff,
+        "first_bad_step": first_bad,
+        "max_rel_err": max_rel,
+    }
+
+
+def verdict(ref: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """The correctness verdict of `cell` against the eager reference result `ref`."""
+    if cell.get("status") == "unavailable":
+        return {"verdict": "n/a"}
+    if not ref.get("losses"):
+        return {"verdict": "no reference"}
+    losses = compare_series(ref["losses"], cell.get("losses") or [])
+    digest = None
+    if ref.get("digest") is not None and cell.get("digest") is not None:
+        digest = compare_series(ref["digest"], cell["digest"])
+    out = {"losses": losses, "digest": digest}
+    finished = cell.get("status") == "ok" and losses["compared"] == len(ref["losses"])
+    if not finished:
+        prefix = "bitwise" if losses["bitwise"] else "close" if losses["within_tol"] else "WRONG"
+        out.update(verdict="error", prefix=prefix if losses["compared"] else "none")
+        return out
+    parts = [losses] + ([digest] if digest else [])
+    if all(p["bitwise"] for p in parts):
+        out["verdict"] = "bitwise"
+    elif all(p["within_tol"] for p in parts):
+        out["verdict"] = "close"
+    else:
+        out["verdict"] = "WRONG"
+    return out
+
+
+def determinism(eager: dict[str, Any]) -> str:
+    """'deterministic' when eager's second run matched its first bit for bit."""
+    rerun = eager.get("rerun")
+    if not rerun:
+        return "not checked"
+    same = compare_series(eager.get("losses") or [], rerun.get("losses") or [])
+    same_digest = compare_series(eager.get("digest") or [], rerun.get("digest") or [])
+    return "deterministic" if same["bitwise"] and same_digest["bitwise"] else "NOT deterministic"

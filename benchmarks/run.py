@@ -1,0 +1,176 @@
+"""Run the benchmark programs under every runner and write JSON, a Markdown report and plots.
+
+    python -m benchmarks.run [--quick] [--only NAME[,NAME]] [--runners a,b] [--reps N]
+
+Each (program, runner) cell runs in its own worker process (benchmarks/harness/worker.py) with a
+time limit; eager always runs (it is the reference for speed and for correctness). Results go to
+benchmarks/results/<quick|full>/: results.json, report.md, speedup.png, breakdown.png. A run
+restricted with --only or --runners merges its cells into an existing results.json made with
+the same settings, so a new runner (terra) can be added without rerunning the peers. This
+process never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import compare, report
+from benchmarks.programs import PROGRAMS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PEER_RUNNERS = ("eager", "compile", "jit-trace", "jit-script", "lazy")
+TERRA_RUNNERS = ("terra", "terra-lazy", "terra-graph-only")
+DEFAULT_RUNNERS = PEER_RUNNERS + TERRA_RUNNERS
+KNOWN_RUNNERS = DEFAULT_RUNNERS + ("compile-step",)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="terra_torch benchmarks against eager and peers")
+    p.add_argument("--quick", action="store_true", help="fewer steps per repetition")
+    p.add_argument("--only", default="", help="comma-separated programs (default: all)")
+    p.add_argument("--runners", default="", help=f"comma-separated, from {', '.join(KNOWN_RUNNERS)}")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions after step 0")
+    p.add_argument("--steps", type=int, default=None, help="steps per repetition (override)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
+    p.add_argument("--out", default="", help="results folder (default benchmarks/results/<tag>)")
+    p.add_argument("--fresh", action="store_true", help="do not merge into existing results")
+    return p.parse_args(argv)
+
+
+def split_names(text: str, known: tuple[str, ...], default: tuple[str, ...]) -> list[str]:
+    """Comma list to names, validated; empty means the default."""
+    names = [n.strip() for n in text.split(",") if n.strip()] or list(default)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown: {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What must match for two runs' cells to sit in one table."""
+    return {"quick": args.quick, "reps": args.reps, "warmup": args.warmup,
+            "steps": args.steps, "threads": args.threads, "seed": args.seed}
+
+
+def worker_command(program: str, runner: str, args: argparse.Namespace, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks.harness.worker", "--program", program,
+           "--runner", runner, "--out", str(out), "--seed", str(args.seed),
+           "--warmup", str(args.warmup), "--reps", str(args.reps),
+           "--threads", str(args.threads)]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    if args.quick:
+        cmd.append("--quick")
+    if runner == "eager":
+        cmd.append("--rerun")
+    return cmd
+
+
+def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """One worker process; a crash or timeout becomes a result, not an exception."""
+    out = scratch / f"{program}.{runner}.json"
+    log = scratch / f"{program}.{runner}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    with open(log, "w") as log_file:
+        try:
+            proc = subprocess.run(worker_command(program, runner, args, out), cwd=ROOT, env=env,
+                                  stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    wall = time.perf_counter() - start
+    if rc == 0 and out.exists():
+        result = json.loads(out.read_text())
+    elif rc is None:
+        result = {"status": "timeout", "reason": f"no result within {args.timeout:.0f} s"}
+    else:
+        result = {"status": "crashed", "reason": f"worker exit code {rc}: {_tail(log)}"}
+    result.update(program=program, runner=runner, cell_wall_s=round(wall, 2),
+                  finished_at=dt.datetime.now().isoformat(timespec="seconds"))
+    return result
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in text[-lines:])[:600]
+
+
+def load_existing(path: Path, want: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """Previous results with the same settings (to merge into), else an empty document."""
+    if not fresh and path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("meta", {}).get("settings") == want:
+            return doc
+    return {"meta": {"settings": want}, "cells": {}}
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def attach_correctness(doc: dict[str, Any]) -> None:
+    """Verdict of every cell against eager's cell of the same program."""
+    for program, cells in doc["cells"].items():
+        ref = cells.get("eager", {})
+        for runner, cell in cells.items():
+            if runner == "eager":
+                cell["correctness"] = {"verdict": compare.determinism(cell)}
+            else:
+                cell["correctness"] = compare.verdict(ref, cell)
+
+
+def progress(cell: dict[str, Any]) -> str:
+    sps = cell.get("steps_per_s")
+    speed = f"{sps:9.1f} steps/s" if isinstance(sps, (int, float)) else f"{'-':>9} steps/s"
+    why = cell.get("reason") or (cell.get("error") or {}).get("message", "")
+    return (f"  {cell['program']:12s} {cell['runner']:17s} {cell['status']:11s} {speed}"
+            f"  [{cell['cell_wall_s']:.0f}s] {why[:90]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    programs = split_names(args.only, PROGRAMS, PROGRAMS)
+    runners = split_names(args.runners, KNOWN_RUNNERS, DEFAULT_RUNNERS)
+    runners = ["eager"] + [r for r in runners if r != "eager"]
+    out_dir = Path(args.out) if args.out else RESULTS / ("quick" if args.quick else "full")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = load_existing(out_dir / "results.json", settings(args), args.fresh)
+    doc["meta"].update(machine=machine(), updated=dt.datetime.now().isoformat(timespec="seconds"),
+                       rtol=compare.RTOL)
+    print(f"[bench] {len(programs)} programs x {len(runners)} runners -> {out_dir}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="terra-bench-") as scratch:
+        for program in programs:
+            for runner in runners:
+                cell = run_cell(program, runner, args, Path(scratch))
+                doc["cells"].setdefault(program, {})[runner] = cell
+                print(progress(cell), flush=True)
+    attach_correctness(doc)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    written = report.write_all(doc, out_dir)
+    print(f"[bench] wrote {', '.join(_rel(p) for p in written)}")
+    print(report.summary_table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

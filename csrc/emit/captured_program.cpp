@@ -1,0 +1,127 @@
+// Translation of captured traces into TraceGraph input, and the per-node side tables.
+#include "emit/captured_program.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/UndefinedTensorImpl.h>
+
+#include <string>
+
+#include "capture/region.h"
+#include "trace/hash.h"
+
+namespace terra::emit {
+
+namespace {
+
+// FNV-1a: a fixed function of the text, so op ids do not depend on std::hash or on the process.
+uint64_t fnv1a(std::string_view s, uint64_t h = 0xcbf29ce484222325ULL) {
+  for (const unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+// The tensor layout (which arguments carry tensors, list lengths) and the output count are part
+// of what makes two ops equal: the emitter rebuilds the argument list from one record per node,
+// so records that disagree on it must not share a node.
+uint64_t layout_hash(const capture::OpRecord& rec) {
+  uint64_t h = trace::mix64(rec.outputs.size() + 1);
+  for (const capture::OpInput& in : rec.inputs) {
+    h = trace::hash_combine(h, (static_cast<uint64_t>(in.argument) << 32) ^
+                                   static_cast<uint32_t>(in.list_index));
+  }
+  return h;
+}
+
+}  // namespace
+
+uint64_t operator_id(const c10::OperatorName& name) {
+  uint64_t h = fnv1a(name.name);
+  return fnv1a(name.overload_name, fnv1a(".", h));
+}
+
+bool is_read_op(const c10::FunctionSchema& schema) {
+  if (schema.name() == "terra::fetch") return true;
+  const auto& returns = schema.returns();
+  if (returns.empty()) return false;  // in-place ops without results (_foreach_add_) mutate
+  for (const c10::Argument& r : returns) {
+    const c10::TypePtr& t = r.type();
+    if (t->kind() == c10::TypeKind::TensorType) return false;
+    if (auto list = t->cast<c10::ListType>())
+      if (list->getElementType()->kind() == c10::TypeKind::TensorType) return false;
+    if (auto opt = t->cast<c10::OptionalType>())
+      if (opt->getElementType()->kind() == c10::TypeKind::TensorType) return false;
+  }
+  return true;
+}
+
+std::vector<at::Tensor> external_tensors(const capture::Region& region) {
+  std::vector<at::Tensor> out;
+  out.reserve(region.trace().externals.size());
+  for (const capture::ExternalInput& e : region.trace().externals) {
+    auto* impl = const_cast<c10::TensorImpl*>(static_cast<const c10::TensorImpl*>(e.identity));
+    out.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(impl));
+  }
+  return out;
+}
+
+CapturedProgram::CapturedProgram() { feed_ids_.emplace(nullptr, kWrappedScalarFeed); }
+
+uint32_t CapturedProgram::feed_id(const capture::ExternalInput& external) {
+  const auto* impl = static_cast<const c10::TensorImpl*>(external.identity);
+  if (impl != nullptr && impl->is_wrapped_number()) return kWrappedScalarFeed;
+  const auto [it, inserted] = feed_ids_.try_emplace(external.identity, static_cast<uint32_t>(feed_ids_.size()));
+  return it->second;
+}
+
+trace::Trace CapturedProgram::translate(const capture::Trace& in) {
+  std::vector<uint32_t> feeds;
+  feeds.reserve(in.externals.size());
+  for (const capture::ExternalInput& e : in.externals) feeds.push_back(feed_id(e));
+
+  trace::Trace out;
+  out.ops.reserve(in.ops.size());
+  for (size_t i = 0; i < in.ops.size(); ++i) {
+    const capture::OpRecord& rec = in.ops[i];
+    trace::OpRecord op;
+    op.key.op = operator_id(rec.op.operator_name());
+    op.key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(rec));
+    op.key.location = rec.location;
+    op.loops.reserve(rec.loops.size());
+    for (const capture::LoopFrame& f : rec.loops) op.loops.push_back({f.loop_id, f.iteration});
+    op.inputs.reserve(rec.inputs.size());
+    const bool read = is_read_op(rec.op.schema());
+    for (const capture::OpInput& input : rec.inputs) {
+      const capture::ValueRef& v = input.value;
+      if (v.is_external()) {
+        op.inputs.push_back(trace::ValueRef::feed(feeds.at(v.external)));
+        continue;
+      }
+      op.inputs.push_back(trace::ValueRef::output_of(v.record, v.output));
+      if (read) out.fetches.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(v.record),
+                                       static_cast<uint32_t>(v.output)});
+    }
+    op.num_outputs = static_cast<uint32_t>(rec.outputs.size());
+    out.ops.push_back(std::move(op));
+  }
+  return out;
+}
+
+uint32_t CapturedProgram::add(const capture::Trace& captured) {
+  trace::Trace t = translate(captured);
+  trace::MergeResult merged = graph_.merge(t);
+  infos_.resize(graph_.num_nodes());
+  for (size_t i = 0; i < captured.ops.size(); ++i) {
+    std::optional<OpInfo>& slot = infos_[merged.record_nodes[i]];
+    if (slot) continue;
+    const capture::OpRecord& rec = captured.ops[i];
+    OpInfo info{rec.op, rec.attributes, {}, static_cast<uint32_t>(rec.outputs.size())};
+    info.tensor_args.reserve(rec.inputs.size());
+    for (const capture::OpInput& input : rec.inputs) info.tensor_args.push_back({input.argument, input.list_index});
+    slot.emplace(std::move(info));
+  }
+  traces_.push_back(std::move(t));
+  record_nodes_.push_back(std::move(merged.record_nodes));
+  return static_cast<uint32_t>(traces_.size() - 1);
+}
+
+}  // namespace terra::emit

@@ -1,0 +1,89 @@
+// The bridge from the capture layer (torch types) to the torch-free TraceGraph: each captured
+// trace is translated into a terra::trace::Trace and merged, and what the TraceGraph does not
+// keep but the graph emitter needs (operator handle, attribute values, which schema argument
+// each tensor input slot fills) is kept here, per TraceGraph node.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "capture/trace_record.h"
+#include "trace/trace_graph.h"
+
+namespace terra::capture {
+class Region;
+}
+
+namespace terra::emit {
+
+// Where one tensor input slot of a node goes in the schema.
+struct TensorArg {
+  int32_t argument = 0;     // position in the schema's arguments
+  int32_t list_index = -1;  // index inside a Tensor[] / Tensor?[] argument, -1 for a plain Tensor
+  friend bool operator==(const TensorArg&, const TensorArg&) = default;
+};
+
+// Side table of one TraceGraph op node, taken from the first record merged into it. Every later
+// record of the node has the same operator, attribute hash and tensor layout (both are part of
+// its OpKey), so one copy serves all.
+struct OpInfo {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
+  std::vector<TensorArg> tensor_args;   // per input slot of the node
+  uint32_t num_outputs = 0;             // tensor outputs, lists flattened
+};
+
+// Feed ids in the translated traces name an external tensor *object*: its TensorImpl address,
+// interned across all traces of the program (a parameter keeps one id). Python scalars that the
+// arg parser wraps into 0-dim tensors are fresh objects at every op, so they all share this id;
+// otherwise a loop would add one feed source per iteration to its slot.
+inline constexpr uint32_t kWrappedScalarFeed = 0;
+
+class CapturedProgram {
+ public:
+  CapturedProgram();
+
+  // Translates and merges one captured trace; returns its index. Throws std::invalid_argument
+  // for records the TraceGraph refuses (inputs that do not precede their use).
+  uint32_t add(const capture::Trace& trace);
+
+  const trace::TraceGraph& graph() const { return graph_; }
+  size_t num_traces() const { return traces_.size(); }
+  // The translated trace (input of the Cursor) and the node each of its records merged into.
+  const trace::Trace& trace(uint32_t i) const { return traces_[i]; }
+  const std::vector<trace::NodeId>& record_nodes(uint32_t i) const { return record_nodes_[i]; }
+  // nullptr for start, end and loop nodes.
+  const OpInfo* info(trace::NodeId n) const {
+    return n < infos_.size() && infos_[n] ? &*infos_[n] : nullptr;
+  }
+
+ private:
+  trace::Trace translate(const capture::Trace& trace);
+  uint32_t feed_id(const capture::ExternalInput& external);
+
+  trace::TraceGraph graph_;
+  std::vector<trace::Trace> traces_;
+  std::vector<std::vector<trace::NodeId>> record_nodes_;
+  std::vector<std::optional<OpInfo>> infos_;
+  std::unordered_map<const void*, uint32_t> feed_ids_;
+};
+
+// The OpKey.op of an operator: a stable 64-bit hash of "ns::name.overload", equal across runs.
+uint64_t operator_id(const c10::OperatorName& name);
+
+// True for ops whose results Python reads instead of the graph using them: they return values
+// but no tensor (aten::_local_scalar_dense behind .item() and bool(t), aten::equal, ...), and
+// terra::fetch itself (an explicit "Python reads this tensor" marker).
+bool is_read_op(const c10::FunctionSchema& schema);
+
+// The external tensors of a region, indexed like region.trace().externals. The region keeps them
+// alive (Region::externals_alive_) and its trace records their TensorImpl, which is all this
+// needs; valid while the region lives.
+std::vector<at::Tensor> external_tensors(const capture::Region& region);
+
+}  // namespace terra::emit

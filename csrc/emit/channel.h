@@ -1,0 +1,48 @@
+// The channel between the Python side and a running graph (BRIEF "How it works", step 3): the
+// terra:: operators in generated graphs (case_select, loop_cond, feed, feed_or_none, fetch) do
+// nothing themselves but ask the ChannelSource that is current on the executing thread. The
+// co-execution runtime installs a concurrent source; tests install a scripted one.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace terra::emit {
+
+class ChannelSource {
+ public:
+  virtual ~ChannelSource() = default;
+  // Which case the switch at `site` takes (0-based, in the Program's case order).
+  virtual int64_t case_select(int64_t site) = 0;
+  // After an iteration of the loop at `site`: run another one?
+  virtual bool loop_cond(int64_t site) = 0;
+  // The external tensor for feed `slot`. An undefined tensor means "not external this time":
+  // only feed_or_none slots may receive one (the graph then uses its own value).
+  virtual at::Tensor feed(int64_t slot) = 0;
+  // Python reads `value` at fetch `slot`.
+  virtual void fetch(int64_t slot, const at::Tensor& value) = 0;
+};
+
+// The source the terra:: ops of this thread talk to, or nullptr. Thread-local because a graph
+// runs on the thread that calls the executor; a worker thread must install its own.
+ChannelSource* current_channel();
+
+// Installs a source for the current thread for the lifetime of the scope.
+class ChannelScope {
+ public:
+  explicit ChannelScope(ChannelSource* source);
+  ~ChannelScope();
+  ChannelScope(const ChannelScope&) = delete;
+  ChannelScope& operator=(const ChannelScope&) = delete;
+
+ private:
+  ChannelSource* saved_;
+};
+
+// Operator names, as they appear in graphs.
+inline constexpr const char* kCaseSelectOp = "terra::case_select";
+inline constexpr const char* kLoopCondOp = "terra::loop_cond";
+inline constexpr const char* kFeedOp = "terra::feed";
+inline constexpr const char* kFeedOrNoneOp = "terra::feed_or_none";
+inline constexpr const char* kFetchOp = "terra::fetch";
+
+}  // namespace terra::emit

@@ -1,0 +1,67 @@
+// What graph generation hands to the runtime: the TorchScript graph plus the meaning of its feed
+// and fetch slots, so the Python side knows which tensor to send to which feed and which fetch
+// delivers the value it waits for. Kept free of torch headers: the runtime's cursor code can use
+// the tables without pulling in the JIT.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "trace/node.h"
+
+namespace torch::jit {
+struct Graph;
+}
+
+namespace terra::emit {
+
+// Feed slot k (the argument of terra::feed / terra::feed_or_none) delivers the external tensor
+// read by input `input` of TraceGraph node `node`, once per execution of that node.
+struct FeedSlot {
+  trace::NodeId node = trace::kNoNode;
+  uint32_t input = 0;
+  bool optional = false;  // feed_or_none: Python sends "none" when the input was not external
+};
+
+// Fetch slot k delivers the tensor read by input `input` of the read node `node` (an
+// aten::_local_scalar_dense, or a terra::fetch marker whose first attribute is `tag`).
+struct FetchSlot {
+  trace::NodeId node = trace::kNoNode;
+  uint32_t input = 0;
+  int64_t tag = -1;  // the marker's tag; -1 for other reads
+};
+
+struct EmitStats {
+  size_t ops = 0;        // aten nodes emitted (before optimization)
+  size_t switches = 0;   // prim::If chains made for switches
+  size_t loops = 0;      // prim::Loop nodes
+  size_t unrolled = 0;   // loops unrolled
+  size_t nodes_after_passes = 0;
+};
+
+struct EmittedGraph {
+  std::shared_ptr<torch::jit::Graph> graph;
+  std::vector<FeedSlot> feeds;
+  std::vector<FetchSlot> fetches;
+  EmitStats stats;
+
+  // -1 when (node, input) has no feed slot.
+  int64_t feed_slot(trace::NodeId node, uint32_t input) const {
+    const auto it = feed_index.find(key(node, input));
+    return it == feed_index.end() ? -1 : static_cast<int64_t>(it->second);
+  }
+  int64_t fetch_slot(trace::NodeId node, uint32_t input) const {
+    const auto it = fetch_index.find(key(node, input));
+    return it == fetch_index.end() ? -1 : static_cast<int64_t>(it->second);
+  }
+
+  static uint64_t key(trace::NodeId node, uint32_t input) {
+    return (static_cast<uint64_t>(node) << 32) | input;
+  }
+  std::unordered_map<uint64_t, uint32_t> feed_index;
+  std::unordered_map<uint64_t, uint32_t> fetch_index;
+};
+
+}  // namespace terra::emit

@@ -1,0 +1,474 @@
+// Emits the TorchScript graph of a Program. The walk follows the Program tree; data flow uses the
+// variables of value_flow.h, kept as an environment (variable -> current SSA value) that is
+// forked at each prim::If and merged by the If's outputs, and threaded through prim::Loop as
+// carried values. A journal of assignments makes forking O(assignments in the branch) rather
+// than O(variables).
+#include "emit/graph_emitter.h"
+
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/common_subexpression_elimination.h>
+#include <torch/csrc/jit/passes/constant_propagation.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "emit/channel.h"
+#include "emit/value_flow.h"
+
+namespace terra::emit {
+
+namespace {
+
+using torch::jit::Block;
+using torch::jit::Graph;
+using torch::jit::Node;
+using torch::jit::Value;
+using torch::jit::WithInsertPoint;
+using trace::NodeId;
+using trace::ProgId;
+using trace::ProgKind;
+
+enum class TensorKind { kNone, kTensor, kOptionalTensor, kTensorList, kOptionalTensorList };
+
+TensorKind tensor_kind(const c10::TypePtr& t) {
+  auto is_tensor = [](const c10::TypePtr& x) { return x->kind() == c10::TypeKind::TensorType; };
+  if (is_tensor(t)) return TensorKind::kTensor;
+  if (auto opt = t->cast<c10::OptionalType>())
+    if (is_tensor(opt->getElementType())) return TensorKind::kOptionalTensor;
+  if (auto list = t->cast<c10::ListType>()) {
+    const c10::TypePtr& e = list->getElementType();
+    if (is_tensor(e)) return TensorKind::kTensorList;
+    if (auto opt = e->cast<c10::OptionalType>())
+      if (is_tensor(opt->getElementType())) return TensorKind::kOptionalTensorList;
+  }
+  return TensorKind::kNone;
+}
+
+std::string op_name(const c10::OperatorHandle& op) { return c10::toString(op.operator_name()); }
+
+class Emitter {
+ public:
+  Emitter(const CapturedProgram& cp, const trace::Program& prog, EmittedGraph& out)
+      : cp_(cp), prog_(prog), out_(out), g_(*out.graph), flow_(analyze_value_flow(cp.graph())) {
+    env_.assign(flow_.num_vars, nullptr);
+    case_select_ = c10::Symbol::fromQualString(kCaseSelectOp);
+    loop_cond_ = c10::Symbol::fromQualString(kLoopCondOp);
+    feed_ = c10::Symbol::fromQualString(kFeedOp);
+    feed_or_none_ = c10::Symbol::fromQualString(kFeedOrNoneOp);
+    fetch_ = c10::Symbol::fromQualString(kFetchOp);
+  }
+
+  void emit(ProgId p) {
+    const trace::ProgNode& pn = prog_.at(p);
+    switch (pn.kind) {
+      case ProgKind::kSeq:
+        for (const ProgId c : pn.children) emit(c);
+        return;
+      case ProgKind::kBlock:
+        for (const NodeId n : pn.ops) emit_op(n);
+        return;
+      case ProgKind::kSwitch:
+        emit_switch(pn);
+        return;
+      case ProgKind::kWhile:
+        emit_while(pn);
+        return;
+      case ProgKind::kUnrolled:
+        ++out_.stats.unrolled;
+        for (uint32_t i = 0; i < pn.trip_count; ++i) emit(pn.children[0]);
+        return;
+    }
+  }
+
+ private:
+  // ---- environment -------------------------------------------------------------------------
+
+  void assign(VarId v, Value* value) {
+    journal_.emplace_back(v, env_[v]);
+    env_[v] = value;
+  }
+
+  // Variables assigned since `mark`, with their current values, in first-assignment order.
+  std::vector<std::pair<VarId, Value*>> changes_since(size_t mark) {
+    std::vector<std::pair<VarId, Value*>> out;
+    ++epoch_;
+    if (seen_.size() < env_.size()) seen_.resize(env_.size(), 0);
+    for (size_t j = mark; j < journal_.size(); ++j) {
+      const VarId v = journal_[j].first;
+      if (seen_[v] == epoch_) continue;
+      seen_[v] = epoch_;
+      out.emplace_back(v, env_[v]);
+    }
+    return out;
+  }
+
+  void undo(size_t mark) {
+    while (journal_.size() > mark) {
+      env_[journal_.back().first] = journal_.back().second;
+      journal_.pop_back();
+    }
+  }
+
+  // ---- small node helpers ------------------------------------------------------------------
+
+  Value* constant(const c10::IValue& v) {
+    if (auto c = torch::jit::tryInsertConstant(g_, v)) return *c;
+    throw std::runtime_error("terra_torch: TorchScript has no constant for an attribute of type " +
+                             v.tagKind());
+  }
+
+  Value* int_constant(int64_t v) { return g_.insertConstant(v); }
+
+  // Stands for a value on paths that do not produce it. The TorchScript frontend uses the same
+  // node for variables that are only defined on some paths out of loops; it is never folded, and
+  // the emitted data flow never reads it on a path where it is live.
+  Value* uninitialized() { return g_.insertNode(g_.createUninitialized(c10::TensorType::get()))->output(); }
+
+  Value* channel_op(c10::Symbol kind, std::vector<Value*> inputs, c10::TypePtr result) {
+    Node* n = g_.insertNode(g_.create(kind, inputs, result ? 1 : 0));
+    if (result) n->output()->setType(std::move(result));
+    return result ? n->output() : nullptr;
+  }
+
+  // ---- values read by op inputs ------------------------------------------------------------
+
+  Value* input(NodeId n, uint32_t slot) {
+    const SlotFlow& f = flow_.slots[n][slot];
+    if (f.feed) {
+      const bool optional = f.var != kNoVar;
+      const uint64_t key = EmittedGraph::key(n, slot);
+      auto [it, inserted] = out_.feed_index.try_emplace(key, static_cast<uint32_t>(out_.feeds.size()));
+      if (inserted) out_.feeds.push_back({n, slot, optional});
+      Value* s = int_constant(it->second);
+      if (!optional) return channel_op(feed_, {s}, c10::TensorType::get());
+      // Python sends the tensor when this execution read an external one, none when it read the
+      // value the graph computed: select between them with an If.
+      Value* fed = channel_op(feed_or_none_, {s}, c10::OptionalType::ofTensor());
+      Value* none = g_.insertNode(g_.createNone())->output();
+      Value* is_none = g_.insert(c10::Symbol::fromQualString("aten::__is__"), {fed, none});
+      Node* pick = g_.insertNode(g_.create(c10::prim::If, {is_none}, 0));
+      Value* computed = env_[f.var];
+      {
+        WithInsertPoint wp(pick->addBlock());
+        pick->blocks()[0]->registerOutput(computed != nullptr ? computed : uninitialized());
+      }
+      {
+        WithInsertPoint wp(pick->addBlock());
+        pick->blocks()[1]->registerOutput(g_.insertUncheckedCast(fed, c10::TensorType::get()));
+      }
+      return pick->addOutput()->setType(c10::TensorType::get());
+    }
+    Value* v = env_[f.var];
+    if (v == nullptr) {
+      throw std::logic_error("terra_torch: input " + std::to_string(slot) + " of node " + std::to_string(n) +
+                             " reads a value that no producer assigns before it");
+    }
+    return v;
+  }
+
+  // ---- ops ----------------------------------------------------------------------------------
+
+  void emit_op(NodeId n) {
+    const OpInfo* info = cp_.info(n);
+    if (info == nullptr) throw std::logic_error("terra_torch: block holds node " + std::to_string(n) + " without op info");
+    const c10::FunctionSchema& schema = info->op.schema();
+    if (is_read_op(schema)) {
+      emit_read(n, *info);
+      return;
+    }
+    ++out_.stats.ops;
+    std::vector<Value*> args = arguments(n, *info);
+    Node* node = g_.insertNode(g_.create(c10::Symbol::fromQualString(schema.name()), args, 0));
+    for (const c10::Argument& r : schema.returns()) node->addOutput()->setType(r.type());
+    check_overload(node, *info);
+    bind_outputs(n, *info, node);
+  }
+
+  // Python reads each tensor input of this op (and computes the op's scalar result itself).
+  void emit_read(NodeId n, const OpInfo& info) {
+    const bool marker = info.op.schema().name() == kFetchOp;
+    const int64_t tag = marker && !info.attributes.empty() && info.attributes[0].isInt() ? info.attributes[0].toInt() : -1;
+    for (uint32_t s = 0; s < info.tensor_args.size(); ++s) {
+      Value* v = input(n, s);
+      auto [it, inserted] = out_.fetch_index.try_emplace(EmittedGraph::key(n, s),
+                                                         static_cast<uint32_t>(out_.fetches.size()));
+      if (inserted) out_.fetches.push_back({n, s, tag});
+      channel_op(fetch_, {int_constant(it->second), v}, nullptr);
+    }
+  }
+
+  // Rebuilds the schema's argument list from the tensor slots and the recorded attributes.
+  //
+  // A Tensor? argument without a tensor was recorded either as a None attribute or (an undefined
+  // tensor) not at all. The attribute count tells how many were None; only when some were and
+  // some were not does the next attribute being None decide. (A per-attribute schema position
+  // in the capture record would remove the guess.)
+  std::vector<Value*> arguments(NodeId n, const OpInfo& info) {
+    const auto& params = info.op.schema().arguments();
+    std::vector<std::vector<std::pair<int32_t, uint32_t>>> slots(params.size());
+    for (uint32_t s = 0; s < info.tensor_args.size(); ++s) {
+      const TensorArg& a = info.tensor_args[s];
+      if (a.argument < 0 || static_cast<size_t>(a.argument) >= params.size())
+        throw std::logic_error("terra_torch: tensor input outside the schema of " + op_name(info.op));
+      slots[a.argument].emplace_back(a.list_index, s);
+    }
+    size_t non_tensor = 0, bare_optional = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const TensorKind k = tensor_kind(params[i].type());
+      if (k == TensorKind::kNone) ++non_tensor;
+      else if (k == TensorKind::kOptionalTensor && slots[i].empty()) ++bare_optional;
+    }
+    const auto& attrs = info.attributes;
+    if (attrs.size() < non_tensor || attrs.size() - non_tensor > bare_optional)
+      throw std::runtime_error("terra_torch: attributes of " + op_name(info.op) + " do not fit its schema");
+    size_t nones = attrs.size() - non_tensor;
+    size_t next = 0;
+    std::vector<Value*> out;
+    out.reserve(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const TensorKind k = tensor_kind(params[i].type());
+      auto& arg_slots = slots[i];
+      std::sort(arg_slots.begin(), arg_slots.end());
+      switch (k) {
+        case TensorKind::kNone:
+          out.push_back(constant(attrs.at(next++)));
+          break;
+        case TensorKind::kTensor:
+          out.push_back(arg_slots.empty() ? g_.insertNode(g_.createAutogradZero())->output()
+                                          : input(n, arg_slots[0].second));
+          break;
+        case TensorKind::kOptionalTensor:
+          if (!arg_slots.empty()) {
+            out.push_back(input(n, arg_slots[0].second));
+            break;
+          }
+          if (nones > 0 && (nones == bare_optional || (next < attrs.size() && attrs[next].isNone()))) {
+            ++next;
+            --nones;
+          }
+          --bare_optional;
+          out.push_back(g_.insertNode(g_.createNone())->output());
+          break;
+        case TensorKind::kTensorList:
+        case TensorKind::kOptionalTensorList: {
+          const bool optional = k == TensorKind::kOptionalTensorList;
+          const c10::TypePtr elem = optional ? c10::OptionalType::ofTensor() : c10::TensorType::get();
+          std::vector<Value*> items;
+          for (const auto& [index, slot] : arg_slots) {
+            if (index < 0) throw std::logic_error("terra_torch: list input without index in " + op_name(info.op));
+            while (optional && items.size() < static_cast<size_t>(index))
+              items.push_back(g_.insertNode(g_.createNone())->output());
+            items.push_back(input(n, slot));
+          }
+          out.push_back(g_.insertNode(g_.createList(elem, items))->output());
+          break;
+        }
+      }
+    }
+    if (next != attrs.size())
+      throw std::runtime_error("terra_torch: attributes of " + op_name(info.op) + " do not fit its schema");
+    return out;
+  }
+
+  // The JIT picks the overload itself from the input types (there is no way to pin one on a
+  // Node); refuse the rare case where it would run a different one than eager did.
+  void check_overload(Node* node, const OpInfo& info) {
+    const c10::FunctionSchema* chosen = node->maybeSchema();
+    const c10::OperatorName& want = info.op.operator_name();
+    if (chosen != nullptr && chosen->name() == want.name && chosen->overload_name() == want.overload_name) return;
+    std::ostringstream msg;
+    msg << "terra_torch: TorchScript resolves " << c10::toString(want) << " to "
+        << (chosen ? c10::toString(chosen->operator_name()) : std::string("no operator")) << " for inputs (";
+    for (size_t i = 0; i < node->inputs().size(); ++i) msg << (i ? ", " : "") << node->inputs()[i]->type()->str();
+    msg << ")";
+    throw std::runtime_error(msg.str());
+  }
+
+  // Recorded outputs are the tensors of the results, lists flattened; map them back.
+  void bind_outputs(NodeId n, const OpInfo& info, Node* node) {
+    const auto& returns = info.op.schema().returns();
+    size_t plain = 0, lists = 0;
+    for (const auto& r : returns) {
+      const TensorKind k = tensor_kind(r.type());
+      if (k == TensorKind::kTensor || k == TensorKind::kOptionalTensor) ++plain;
+      else if (k == TensorKind::kTensorList) ++lists;
+    }
+    if (lists > 1 || info.num_outputs < plain)
+      throw std::runtime_error("terra_torch: cannot map the recorded outputs of " + op_name(info.op));
+    uint32_t k = 0;
+    auto bind = [&](Value* v) {
+      for (const VarId var : flow_.assigned_by(n, k)) assign(var, v);
+      ++k;
+    };
+    for (size_t r = 0; r < returns.size(); ++r) {
+      const TensorKind kind = tensor_kind(returns[r].type());
+      if (kind == TensorKind::kTensor || kind == TensorKind::kOptionalTensor) {
+        bind(node->output(r));
+      } else if (kind == TensorKind::kTensorList) {
+        Node* unpack = g_.insertNode(g_.createListUnpack(node->output(r), info.num_outputs - plain));
+        for (Value* v : unpack->outputs()) bind(v);
+      }
+    }
+  }
+
+  // ---- control flow -------------------------------------------------------------------------
+
+  // prim::If whose outputs are every variable either branch assigns; a branch that leaves one
+  // alone returns its value from before the If (or an uninitialized value if it has none yet).
+  template <class Then, class Else>
+  void emit_if(Value* cond, Then&& then_fn, Else&& else_fn) {
+    Node* node = g_.insertNode(g_.create(c10::prim::If, {cond}, 0));
+    std::vector<std::pair<VarId, Value*>> changed[2];
+    for (int b = 0; b < 2; ++b) {
+      Block* block = node->addBlock();
+      const size_t mark = journal_.size();
+      {
+        WithInsertPoint wp(block);
+        if (b == 0) then_fn();
+        else else_fn();
+      }
+      changed[b] = changes_since(mark);
+      undo(mark);
+    }
+    std::vector<VarId> vars;
+    std::unordered_map<VarId, Value*> in_branch[2];
+    for (int b = 0; b < 2; ++b) {
+      for (const auto& [v, value] : changed[b]) {
+        if (!in_branch[0].count(v) && !in_branch[1].count(v)) vars.push_back(v);
+        in_branch[b][v] = value;
+      }
+    }
+    Value* missing = nullptr;
+    for (const VarId v : vars) {
+      for (int b = 0; b < 2; ++b) {
+        auto it = in_branch[b].find(v);
+        Value* value = it != in_branch[b].end() ? it->second : env_[v];
+        if (value == nullptr) {
+          if (missing == nullptr) {
+            WithInsertPoint wp(node);
+            missing = uninitialized();
+          }
+          value = missing;
+        }
+        node->blocks()[b]->registerOutput(value);
+      }
+      assign(v, node->addOutput()->setType(c10::TensorType::get()));
+    }
+  }
+
+  // Case k of a switch runs when case_select returns k: a chain of two-way Ifs.
+  void emit_switch(const trace::ProgNode& pn) {
+    ++out_.stats.switches;
+    Value* which = channel_op(case_select_, {int_constant(pn.site)}, c10::IntType::get());
+    emit_cases(pn, which, 0);
+  }
+
+  void emit_cases(const trace::ProgNode& pn, Value* which, size_t first) {
+    if (first + 1 == pn.children.size()) {
+      emit(pn.children[first]);
+      return;
+    }
+    Value* is_first = g_.insert(c10::Symbol::fromQualString("aten::eq"), {which, int_constant(static_cast<int64_t>(first))});
+    emit_if(
+        is_first, [&] { emit(pn.children[first]); }, [&] { emit_cases(pn, which, first + 1); });
+  }
+
+  // prim::Loop(max, true, carried...): the body runs, then loop_cond says whether to go on,
+  // which is exactly kWhile (the body runs at least once). Every variable the body assigns is
+  // carried, since a later iteration or the code after the loop may read it.
+  void emit_while(const trace::ProgNode& pn) {
+    ++out_.stats.loops;
+    std::vector<VarId> carried;
+    ++epoch_;
+    if (seen_.size() < env_.size()) seen_.resize(env_.size(), 0);
+    collect_writes(pn.children[0], carried);
+    std::vector<Value*> inputs{int_constant(std::numeric_limits<int64_t>::max()), g_.insertConstant(true)};
+    Value* missing = nullptr;
+    for (const VarId v : carried) {
+      if (env_[v] == nullptr && missing == nullptr) missing = uninitialized();
+      inputs.push_back(env_[v] != nullptr ? env_[v] : missing);
+    }
+    Node* loop = g_.insertNode(g_.create(c10::prim::Loop, inputs, 0));
+    Block* body = loop->addBlock();
+    body->addInput()->setType(c10::IntType::get());
+    const size_t mark = journal_.size();
+    for (const VarId v : carried) assign(v, body->addInput()->setType(c10::TensorType::get()));
+    {
+      WithInsertPoint wp(body);
+      emit(pn.children[0]);
+      body->registerOutput(channel_op(loop_cond_, {int_constant(pn.site)}, c10::BoolType::get()));
+      for (const VarId v : carried) body->registerOutput(env_[v]);
+    }
+    undo(mark);
+    for (const VarId v : carried) assign(v, loop->addOutput()->setType(c10::TensorType::get()));
+  }
+
+  void collect_writes(ProgId p, std::vector<VarId>& out) {
+    const trace::ProgNode& pn = prog_.at(p);
+    if (pn.kind == ProgKind::kBlock) {
+      for (const NodeId n : pn.ops) {
+        if (n >= flow_.writes.size()) continue;
+        for (const auto& vars : flow_.writes[n]) {
+          for (const VarId v : vars) {
+            if (seen_[v] == epoch_) continue;
+            seen_[v] = epoch_;
+            out.push_back(v);
+          }
+        }
+      }
+      return;
+    }
+    for (const ProgId c : pn.children) collect_writes(c, out);
+  }
+
+  const CapturedProgram& cp_;
+  const trace::Program& prog_;
+  EmittedGraph& out_;
+  Graph& g_;
+  ValueFlow flow_;
+  std::vector<Value*> env_;
+  std::vector<std::pair<VarId, Value*>> journal_;
+  std::vector<uint32_t> seen_;
+  uint32_t epoch_ = 0;
+  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_;
+};
+
+size_t count_nodes(const Block* b) {
+  size_t n = 0;
+  for (const Node* node : b->nodes()) {
+    ++n;
+    for (const Block* inner : node->blocks()) n += count_nodes(inner);
+  }
+  return n;
+}
+
+}  // namespace
+
+void optimize_graph(std::shared_ptr<Graph>& graph) {
+  torch::jit::EliminateDeadCode(graph);
+  torch::jit::ConstantPropagation(graph);
+  torch::jit::EliminateCommonSubexpression(graph);
+  torch::jit::EliminateDeadCode(graph);
+  graph->lint();
+}
+
+EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured, const EmitOptions& options) {
+  EmittedGraph out;
+  out.graph = std::make_shared<Graph>();
+  {
+    Emitter emitter(program, structured, out);
+    emitter.emit(structured.root);
+  }
+  out.graph->lint();
+  if (options.optimize) optimize_graph(out.graph);
+  out.stats.nodes_after_passes = count_nodes(out.graph->block());
+  return out;
+}
+
+}  // namespace terra::emit

@@ -1,0 +1,77 @@
+// ScriptedChannel and the script of a recorded trace.
+#include "emit/scripted_channel.h"
+
+#include <stdexcept>
+
+#include "trace/replay.h"
+
+namespace terra::emit {
+
+uint32_t ScriptedChannel::take(int64_t site, const char* what) {
+  TORCH_CHECK(!decisions_.empty(), "terra_torch: scripted channel ran out of decisions at ", what, " site ", site);
+  const trace::Decision d = decisions_.front();
+  TORCH_CHECK(static_cast<int64_t>(d.site) == site, "terra_torch: graph asked ", what, " site ", site,
+              " but the script's next decision is for site ", d.site);
+  decisions_.pop_front();
+  return d.value;
+}
+
+int64_t ScriptedChannel::case_select(int64_t site) { return take(site, "case_select"); }
+
+bool ScriptedChannel::loop_cond(int64_t site) { return take(site, "loop_cond") == trace::kLoopContinue; }
+
+at::Tensor ScriptedChannel::feed(int64_t slot) {
+  auto it = feeds_.find(slot);
+  TORCH_CHECK(it != feeds_.end() && !it->second.empty(), "terra_torch: scripted channel has no tensor for feed slot ",
+              slot);
+  at::Tensor t = std::move(it->second.front());
+  it->second.pop_front();
+  return t;
+}
+
+void ScriptedChannel::fetch(int64_t slot, const at::Tensor& value) { fetched_.emplace_back(slot, value.clone()); }
+
+std::string ScriptedChannel::leftovers() const {
+  std::string out;
+  if (!decisions_.empty()) out += std::to_string(decisions_.size()) + " decisions; ";
+  for (const auto& [slot, q] : feeds_)
+    if (!q.empty()) out += std::to_string(q.size()) + " feeds of slot " + std::to_string(slot) + "; ";
+  return out;
+}
+
+ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,
+                                 const EmittedGraph& emitted, const capture::Trace& captured,
+                                 std::span<const at::Tensor> externals) {
+  ScriptedChannel script;
+  std::vector<trace::Decision> decisions;
+  if (!trace::decisions_for(structured, program.trace(index), decisions))
+    throw std::runtime_error("terra_torch: the generated program does not accept trace " + std::to_string(index));
+  for (const trace::Decision& d : decisions) script.push_decision(d);
+
+  const auto& nodes = program.record_nodes(index);
+  if (captured.ops.size() != nodes.size())
+    throw std::invalid_argument("terra_torch: capture trace does not match trace " + std::to_string(index));
+  for (size_t i = 0; i < captured.ops.size(); ++i) {
+    const auto& inputs = captured.ops[i].inputs;
+    for (uint32_t s = 0; s < inputs.size(); ++s) {
+      const int64_t slot = emitted.feed_slot(nodes[i], s);
+      const capture::ValueRef& v = inputs[s].value;
+      if (slot < 0) {
+        if (v.is_external())
+          throw std::logic_error("terra_torch: record " + std::to_string(i) + " reads an external tensor at input " +
+                                 std::to_string(s) + " but the graph has no feed there");
+        continue;
+      }
+      if (!v.is_external()) {
+        script.push_feed(slot, at::Tensor());
+      } else {
+        if (static_cast<size_t>(v.external) >= externals.size())
+          throw std::invalid_argument("terra_torch: external " + std::to_string(v.external) + " was not supplied");
+        script.push_feed(slot, externals[v.external]);
+      }
+    }
+  }
+  return script;
+}
+
+}  // namespace terra::emit

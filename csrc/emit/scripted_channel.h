@@ -1,0 +1,54 @@
+// A ChannelSource that replays one recorded iteration: the decisions a Cursor derives from the
+// trace and the external tensors the trace read, slot by slot. It lets tests (and tools) run a
+// generated graph without a Python program driving it, and check it against eager results.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "capture/trace_record.h"
+#include "emit/captured_program.h"
+#include "emit/channel.h"
+#include "emit/emitted_graph.h"
+#include "trace/program.h"
+
+namespace terra::emit {
+
+class ScriptedChannel final : public ChannelSource {
+ public:
+  void push_decision(const trace::Decision& d) { decisions_.push_back(d); }
+  // An undefined tensor stands for "none" (a feed_or_none slot that read a graph value).
+  void push_feed(int64_t slot, at::Tensor t) { feeds_[slot].push_back(std::move(t)); }
+
+  int64_t case_select(int64_t site) override;
+  bool loop_cond(int64_t site) override;
+  at::Tensor feed(int64_t slot) override;
+  // Keeps a copy: the graph may update the tensor in place after Python read it.
+  void fetch(int64_t slot, const at::Tensor& value) override;
+
+  const std::vector<std::pair<int64_t, at::Tensor>>& fetched() const { return fetched_; }
+  // Empty if every decision and feed was consumed, else a description of what was left.
+  std::string leftovers() const;
+
+ private:
+  uint32_t take(int64_t site, const char* what);
+
+  std::deque<trace::Decision> decisions_;
+  std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
+  std::vector<std::pair<int64_t, at::Tensor>> fetched_;
+};
+
+// The script that makes `emitted` replay trace `index` of `program`: decisions from a Cursor over
+// `structured`, and per feed slot the external tensors `captured` (the capture trace the index
+// was built from) read there, taken from `externals` (indexed like captured.externals).
+// Throws std::runtime_error if the program does not accept the trace.
+ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,
+                                 const EmittedGraph& emitted, const capture::Trace& captured,
+                                 std::span<const at::Tensor> externals);
+
+}  // namespace terra::emit

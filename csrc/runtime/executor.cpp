@@ -1,0 +1,44 @@
+// TorchScriptExecutor: the first Executor, on the TorchScript interpreter.
+#include "runtime/executor.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+
+#include <optional>
+
+namespace terra::runtime {
+
+struct TorchScriptExecutor::Impl {
+  std::shared_ptr<torch::jit::Graph> graph;
+  std::optional<torch::jit::Code> code;               // kInterpreter
+  std::optional<torch::jit::GraphExecutor> executor;  // kGraphExecutor
+};
+
+TorchScriptExecutor::TorchScriptExecutor(std::shared_ptr<torch::jit::Graph> graph, TorchScriptMode mode)
+    : impl_(std::make_unique<Impl>()) {
+  // Each executor owns a copy: GraphExecutor rewrites the graph it is given, and the caller may
+  // keep printing or re-optimizing its own.
+  impl_->graph = graph->copy();
+  if (mode == TorchScriptMode::kInterpreter) {
+    impl_->code.emplace(impl_->graph, "terra_graph");
+  } else {
+    impl_->executor.emplace(impl_->graph, "terra_graph");
+  }
+}
+
+TorchScriptExecutor::~TorchScriptExecutor() = default;
+
+std::vector<c10::IValue> TorchScriptExecutor::run(std::vector<c10::IValue> inputs) {
+  at::AutoGradMode no_grad(false);
+  torch::jit::Stack stack(std::make_move_iterator(inputs.begin()), std::make_move_iterator(inputs.end()));
+  if (impl_->code) {
+    torch::jit::InterpreterState(*impl_->code).run(stack);
+  } else {
+    impl_->executor->run(stack);
+  }
+  return std::vector<c10::IValue>(std::make_move_iterator(stack.begin()), std::make_move_iterator(stack.end()));
+}
+
+}  // namespace terra::runtime

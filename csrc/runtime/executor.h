@@ -1,0 +1,44 @@
+// The one interface through which generated graphs are run. TorchScript is deprecated (BRIEF,
+// "TorchScript is deprecated"); keeping execution behind this class lets another executor
+// replace the TorchScript interpreter without touching graph generation's callers.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <memory>
+#include <vector>
+
+namespace torch::jit {
+struct Graph;
+}
+
+namespace terra::runtime {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Runs the graph once: graph inputs in, graph outputs out. Channel ops talk to the
+  // ChannelSource current on the calling thread (terra::emit::ChannelScope). Needs no GIL.
+  virtual std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) = 0;
+};
+
+enum class TorchScriptMode {
+  kInterpreter,    // torch::jit::Code + InterpreterState: runs the graph as given
+  kGraphExecutor,  // torch::jit::GraphExecutor: profiles the first runs, then specializes
+};
+
+// Runs with autograd off: the graph already holds the backward ops the program ran, and
+// in-place updates of leaves (optimizer steps) must not be refused.
+class TorchScriptExecutor final : public Executor {
+ public:
+  explicit TorchScriptExecutor(std::shared_ptr<torch::jit::Graph> graph,
+                               TorchScriptMode mode = TorchScriptMode::kInterpreter);
+  ~TorchScriptExecutor() override;
+  std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace terra::runtime
