@@ -29,10 +29,10 @@ from benchmarks.programs import PROGRAMS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PEER_RUNNERS = ("eager", "compile", "jit-trace", "jit-script", "lazy")
+PEER_RUNNERS = ("eager", "compile", "compile-step", "jit-trace", "jit-script", "lazy")
 TERRA_RUNNERS = ("terra", "terra-lazy", "terra-graph-only")
 DEFAULT_RUNNERS = PEER_RUNNERS + TERRA_RUNNERS
-KNOWN_RUNNERS = DEFAULT_RUNNERS + ("compile-step",)
+KNOWN_RUNNERS = DEFAULT_RUNNERS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     programs = split_names(args.only, PROGRAMS, PROGRAMS)
     runners = split_names(args.runners, KNOWN_RUNNERS, DEFAULT_RUNNERS)
     runners = ["eager"] + [r for r in runners if r != "eager"]
+    if args.reps < 5:
+        print(f"[bench] note: --reps {args.reps} < 5; the method asks for a median of >= 5")
     out_dir = Path(args.out) if args.out else RESULTS / ("quick" if args.quick else "full")
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = load_existing(out_dir / "results.json", settings(args), args.fresh)

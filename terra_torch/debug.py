@@ -11,27 +11,48 @@ is computed: every op returns a placeholder tensor with the right metadata and n
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
 
 from terra_torch import _C
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
-@dataclass(frozen=True)
+
 class Location:
-    """Where an op was issued: the Python stack (and, for backward ops, the forward op)."""
+    """Where an op was issued: the Python stack (and, for backward ops, the forward op).
+    Equal and hashed by id; the frames are described only when asked for."""
 
-    id: int
-    frames: tuple[str, ...]
+    def __init__(self, loc_id: int, region: _C.Region) -> None:
+        self.id = loc_id
+        self._region = region
+
+    @cached_property
+    def frames(self) -> tuple[str, ...]:
+        """'file:line in function' per frame, outermost first."""
+        return tuple(self._region.describe_location(self.id))
+
+    @property
+    def user_frame(self) -> str:
+        """The innermost frame outside torch's own Python: the user's line."""
+        for frame in reversed(self.frames):
+            if not frame.startswith(_TORCH_DIR) and not frame.startswith("backward:"):
+                return frame
+        return self.frames[-1] if self.frames else str(self)
 
     def __hash__(self) -> int:
         return hash(self.id)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Location) and other.id == self.id
+
+    def __repr__(self) -> str:
+        return f"Location({self.id:#x})"
 
     def __str__(self) -> str:
         return " -> ".join(self.frames) if self.frames else f"<location {self.id:#x}>"
@@ -92,7 +113,7 @@ def _trace_of(region: _C.Region) -> Trace:
 
     def location(loc_id: int) -> Location:
         if loc_id not in described:
-            described[loc_id] = Location(loc_id, tuple(region.describe_location(loc_id)))
+            described[loc_id] = Location(loc_id, region)
         return described[loc_id]
 
     ops = []

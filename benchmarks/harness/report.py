@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.compare import RTOL
+from benchmarks.harness.compare import EARLY_RTOL, EARLY_STEPS, RTOL
 from benchmarks.programs import PROGRAMS
 
 DISPLAY_ORDER = ("eager", "compile", "compile-step", "jit-trace", "jit-script", "lazy",
                  "terra", "terra-lazy", "terra-graph-only")
 TERRA = ("terra", "terra-lazy", "terra-graph-only")
-MARKS = {"bitwise": "=", "close": "~", "WRONG": "WRONG", "deterministic": "=",
+MARKS = {"bitwise": "=", "close": "~", "drift": "~drift", "WRONG": "WRONG", "deterministic": "=",
          "NOT deterministic": "nondet"}
 BREAKDOWN_KEYS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
 
@@ -81,8 +81,9 @@ def legend() -> str:
         "Cells: steps/s (median of the timed repetitions), ratio to eager's steps/s, and the "
         "correctness mark against eager from the same seed: `=` every loss and the final-state "
         f"digest bitwise equal; `~` within tolerance (|x - eager| <= {RTOL:g} * max(1, |eager|) at "
-        "every step); `WRONG` ran to the end but differs beyond tolerance (a silently wrong "
-        "result); `FAIL (error|crashed|timeout)` did not finish (reasons below); `n/a` runner not "
+        f"every step); `~drift` within {EARLY_RTOL:g} for the first {EARLY_STEPS} steps, beyond "
+        f"{RTOL:g} only later (rounding differences amplified by training); `WRONG` ran to the "
+        "end but differs beyond that (a silently wrong result); `FAIL (error|crashed|timeout)` did not finish (reasons below); `n/a` runner not "
         "available. In the eager column the mark is eager's own determinism (two runs compared)."
     )
 
@@ -106,8 +107,8 @@ def first_call_table(doc: dict[str, Any]) -> str:
 def compiler_table(doc: dict[str, Any]) -> str:
     """Dynamo's counters for the compile runners and LazyTensor's compile counters."""
     lines = ["| program | runner | Dynamo compile s | graphs | graph breaks | recompiles | "
-             "recompile-limit hits | lazy compiles (uncached/cached) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "recompile-limit hits | lazy compiles (uncached/cached) | top graph-break reasons |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for program in ordered_programs(doc):
         for runner in ("compile", "compile-step", "lazy"):
             stats = doc["cells"][program].get(runner, {}).get("stats")
@@ -118,7 +119,8 @@ def compiler_table(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {program} | {runner} | {stats.get('compile_time_s', '')} | "
                 f"{stats.get('unique_graphs', '')} | {stats.get('graph_breaks', '')} | "
-                f"{stats.get('recompiles', '')} | {stats.get('recompile_limit_hits', '')} | {lazy} |")
+                f"{stats.get('recompiles', '')} | {stats.get('recompile_limit_hits', '')} | {lazy} | "
+                f"{_md('; '.join(stats.get('graph_break_reasons', [])[:3]))} |")
     return "\n".join(lines)
 
 
@@ -338,7 +340,8 @@ def plot_speedup(doc: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(len(programs)))
     ax.set_xticklabels(programs, rotation=20, ha="right")
     ax.set_ylabel("steps/s relative to eager (log scale; 1 = eager)")
-    ax.set_title("Speed-up over eager. Hatched red = WRONG result; x = failed; n/a = unavailable")
+    ax.set_title("Speed-up over eager (same seed, checked against eager). Red /// = WRONG result; "
+                 "dotted = drift; x = failed; n/a = unavailable", fontsize=10)
     ax.legend(handles=handles, ncol=min(4, len(runners)), fontsize=8, loc="upper left")
     ax.set_xlim(-0.5, len(programs) - 0.5)
     ax.grid(axis="y", which="both", alpha=0.3)
@@ -358,9 +361,10 @@ def _bar(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float, widt
     elif r is None or cell.get("status") != "ok":
         ax.text(x, 0.012, "x", ha="center", va="bottom", fontsize=9, color=color, weight="bold")
     else:
-        wrong = verdict_of(cell) == "WRONG"
-        ax.bar(x, r, width, color=color, hatch="///" if wrong else None,
-               edgecolor="red" if wrong else color, linewidth=1.2 if wrong else 0)
+        hatch, edge = {"WRONG": ("///", "red"), "drift": ("..", "black")}.get(
+            verdict_of(cell), (None, None))
+        ax.bar(x, r, width, color=color, hatch=hatch, edgecolor=edge or color,
+               linewidth=1.2 if edge else 0)
         ax.text(x, r * 1.08, f"{r:.2g}", rotation=90, ha="center", va="bottom", fontsize=6)
 
 

@@ -266,7 +266,8 @@ def _dynamo_counters() -> dict[str, Any]:
     reasons = sorted(breaks.items(), key=lambda kv: -kv[1])[:5]
     return {
         "graph_breaks": int(sum(breaks.values())),
-        "graph_break_reasons": [f"{n}x {_squash(r)}" for r, n in reasons],
+        "graph_break_reasons": [f"{n}x {_squash(str(r).split(' Explanation:')[0])}"
+                                for r, n in reasons],
         "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
         "frames_compiled": int(counters.get("frames", {}).get("total", 0)),
         "compile_time_s": _dynamo_compile_seconds(),

@@ -61,7 +61,10 @@ def run_cell(program: str, runner_name: str, cfg: CellConfig) -> dict[str, Any]:
         warnings.simplefilter("default")
         result.update(_timed_run(program, runner, cfg))
         if cfg.rerun and result["status"] == "ok":
-            result["rerun"] = _untimed_run(program, runner, cfg, result["steps_total"])
+            try:
+                result["rerun"] = _untimed_run(program, runner, cfg, result["steps_total"])
+            except Exception as exc:
+                result["rerun"] = {"error": _describe(exc)}
     result["warnings"] = _summarize_warnings(caught)
     result["stats"] = _safe(runner.stats, {})
     result["breakdown"] = _safe(runner.breakdown, None)
@@ -78,6 +81,7 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
                            "steps_per_rep": spr, "reps": cfg.reps, "warmup": cfg.warmup}
     phase = "build"
     outputs: list[Any] = []
+    at: dict[str, Any] = {}
     try:
         rt = Runtime(device=runner.device, wrap_hook=runner.wrap_model)
         start = time.perf_counter()
@@ -86,13 +90,12 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
         out["wrap_s"] = rt.wrap_seconds
         out["wrapped"] = rt.wrapped
         step = runner.wrap_step(module.step)
-        phase = "step 0"
-        out["first_step_s"] = _time_steps(step, runner, state, 0, 1, outputs)
+        phase = "steps"
+        out["first_step_s"] = _time_steps(step, runner, state, 0, 1, outputs, at)
         rep_times = []
         for rep in range(cfg.warmup + cfg.reps):
             first = 1 + rep * spr
-            phase = f"step {first}..{first + spr - 1} (rep {rep})"
-            rep_times.append(_time_steps(step, runner, state, first, spr, outputs))
+            rep_times.append(_time_steps(step, runner, state, first, spr, outputs, at))
         out.update(_timing_summary(rep_times[cfg.warmup:], spr))
         out["warmup_rep_s"] = rep_times[:cfg.warmup]
         phase = "digest"
@@ -100,8 +103,9 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
     except BaseException as exc:  # record and return: the cell failed, the harness goes on
         if isinstance(exc, KeyboardInterrupt):
             raise
-        if phase.startswith("step"):
-            phase = f"step {len(outputs)}"  # steps before it all returned
+        if phase == "steps":
+            stage = "" if at.get("stage") == "step" else f" ({at.get('stage')})"
+            phase = f"step {at.get('step')}{stage}"
         out.update(status="error", phase=phase, error=_describe(exc))
     out["losses"] = _to_floats(outputs)
     out["steps_total"] = len(outputs)
@@ -122,14 +126,22 @@ def _untimed_run(program: str, runner: Any, cfg: CellConfig, steps: int) -> dict
 
 
 def _time_steps(step: Any, runner: Any, state: Any, first: int, count: int,
-                outputs: list[Any]) -> float:
-    """Run steps first..first+count-1, sync, and return the wall time."""
+                outputs: list[Any], at: dict[str, Any] | None = None) -> float:
+    """Run steps first..first+count-1, sync, and return the wall time.
+
+    `at` (if given) tracks the step and stage (step, end_step, sync) being run, so that a
+    failure can be placed exactly: LazyTensor, for one, raises a step's error at mark_step.
+    """
+    at = {} if at is None else at
     sink = io.StringIO()  # programs print like users do; keep it off the worker's stdout
     start = time.perf_counter()
     with contextlib.redirect_stdout(sink):
         for i in range(first, first + count):
+            at.update(step=i, stage="step")
             outputs.append(step(state, i))
+            at["stage"] = "end_step"
             runner.end_step()
+        at["stage"] = "sync"
         runner.sync()
     return time.perf_counter() - start
 

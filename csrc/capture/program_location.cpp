@@ -17,40 +17,59 @@ uint64_t mix(uint64_t h, uint64_t v) {
 
 }  // namespace
 
+// Process-wide: a code object's loops never change, and computing them (Python's dis) costs
+// around a millisecond for a large function; every region would otherwise pay it again. The
+// cache holds a reference to each code object so that its address is never reused.
+struct LoopRangeCache {
+  PyObject* finder = nullptr;  // terra_torch._locations.loop_ranges
+  std::unordered_map<PyCodeObject*, std::vector<LocationTracker::LoopRange>> ranges;
+};
+
+LoopRangeCache& loop_range_cache() {
+  static LoopRangeCache* cache = new LoopRangeCache();  // leaked on purpose: lives to exit
+  return *cache;
+}
+
 LocationTracker::LocationTracker(PyFrameObject* stop_frame) : stop_frame_(stop_frame) {
   Py_XINCREF(stop_frame_);
-  PyObject* mod = PyImport_ImportModule("terra_torch._locations");
-  if (mod == nullptr) throw std::runtime_error("terra_torch: cannot import terra_torch._locations");
-  loop_finder_ = PyObject_GetAttrString(mod, "loop_ranges");
-  Py_DECREF(mod);
-  if (loop_finder_ == nullptr) throw std::runtime_error("terra_torch._locations.loop_ranges missing");
+  auto& cache = loop_range_cache();
+  if (cache.finder == nullptr) {
+    PyObject* mod = PyImport_ImportModule("terra_torch._locations");
+    if (mod == nullptr) throw std::runtime_error("terra_torch: cannot import terra_torch._locations");
+    cache.finder = PyObject_GetAttrString(mod, "loop_ranges");
+    Py_DECREF(mod);
+    if (cache.finder == nullptr) throw std::runtime_error("terra_torch._locations.loop_ranges missing");
+  }
 }
 
 LocationTracker::~LocationTracker() {
-  // Destroyed with the GIL held (regions end from Python).
-  Py_XDECREF(stop_frame_);
-  Py_XDECREF(loop_finder_);
-  for (auto& [code, _] : ranges_) Py_DECREF(reinterpret_cast<PyObject*>(code));
+  Py_XDECREF(stop_frame_);  // destroyed with the GIL held (regions end from Python)
 }
 
 const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCodeObject* code) {
-  auto it = ranges_.find(code);
-  if (it != ranges_.end()) return it->second;
-  std::vector<LoopRange> found;
-  PyObject* result = PyObject_CallOneArg(loop_finder_, reinterpret_cast<PyObject*>(code));
-  if (result != nullptr) {
-    Py_ssize_t n = PyList_Size(result);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* pair = PyList_GetItem(result, i);
-      found.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 0))),
-                       static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 1)))});
+  if (code == last_code_) return *last_ranges_;  // consecutive ops mostly share frames
+  auto& cache = loop_range_cache();
+  auto it = cache.ranges.find(code);
+  if (it == cache.ranges.end()) {
+    std::vector<LoopRange> found;
+    PyObject* result = PyObject_CallOneArg(cache.finder, reinterpret_cast<PyObject*>(code));
+    if (result != nullptr) {
+      Py_ssize_t n = PyList_Size(result);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* pair = PyList_GetItem(result, i);
+        found.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 0))),
+                         static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 1)))});
+      }
+      Py_DECREF(result);
+    } else {
+      PyErr_Clear();  // no loop information is a degraded location, not an error
     }
-    Py_DECREF(result);
-  } else {
-    PyErr_Clear();  // no loop information is a degraded location, not an error
+    Py_INCREF(reinterpret_cast<PyObject*>(code));
+    it = cache.ranges.emplace(code, std::move(found)).first;
   }
-  Py_INCREF(reinterpret_cast<PyObject*>(code));  // the cache keys on the pointer: keep it alive
-  return ranges_.emplace(code, std::move(found)).first->second;
+  last_code_ = code;
+  last_ranges_ = &it->second;
+  return it->second;
 }
 
 void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out) {

@@ -26,7 +26,7 @@ struct LoopFrame {
 };
 
 struct FrameRef {
-  PyCodeObject* code = nullptr;  // kept alive by the tracker's code cache
+  PyCodeObject* code = nullptr;  // kept alive by the process-wide loop range cache
   int lasti = -1;                // byte offset of the instruction that issued the call
 };
 
@@ -49,11 +49,12 @@ class LocationTracker {
   // "file:line in function" per frame, outermost first. Needs the GIL.
   std::vector<std::string> describe(uint64_t id) const;
 
- private:
   struct LoopRange {
     int start;  // jump target (loop head)
     int end;    // offset of the backward jump
   };
+
+ private:
   struct LoopState {
     std::vector<int64_t> last_position;
     uint32_t iteration = 0;
@@ -63,8 +64,8 @@ class LocationTracker {
   void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
   PyFrameObject* stop_frame_;
-  PyObject* loop_finder_ = nullptr;  // terra_torch._locations.loop_ranges
-  std::unordered_map<PyCodeObject*, std::vector<LoopRange>> ranges_;
+  PyCodeObject* last_code_ = nullptr;  // one-entry memo in front of the process-wide cache
+  const std::vector<LoopRange>* last_ranges_ = nullptr;
   std::unordered_map<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
   struct Derived {
     uint64_t base;

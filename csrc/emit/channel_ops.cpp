@@ -68,6 +68,9 @@ TORCH_LIBRARY(terra, m) {
   m.def(torch::schema("fetch(int slot, Tensor value) -> ()", AliasAnalysisKind::CONSERVATIVE));
 }
 
+// fetch returns nothing, so autograd has nothing to do; the fallthrough also covers
+// AutogradPrivateUse3, which has no fallback of its own while a capture region is open.
+TORCH_LIBRARY_IMPL(terra, Autograd, m) { m.impl("fetch", torch::CppFunction::makeFallthrough()); }
 TORCH_LIBRARY_IMPL(terra, CPU, m) { m.impl("fetch", &terra::emit::fetch); }
 TORCH_LIBRARY_IMPL(terra, CUDA, m) { m.impl("fetch", &terra::emit::fetch); }
 TORCH_LIBRARY_IMPL(terra, Meta, m) { m.impl("fetch", &terra::emit::fetch); }

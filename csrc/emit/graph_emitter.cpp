@@ -132,8 +132,8 @@ class Emitter {
 
   Value* channel_op(c10::Symbol kind, std::vector<Value*> inputs, c10::TypePtr result) {
     Node* n = g_.insertNode(g_.create(kind, inputs, result ? 1 : 0));
-    if (result) n->output()->setType(std::move(result));
-    return result ? n->output() : nullptr;
+    if (!result) return nullptr;
+    return n->output()->setType(std::move(result));
   }
 
   // ---- values read by op inputs ------------------------------------------------------------
