@@ -6,6 +6,12 @@
 
 #include "capture/terra_key.h"
 
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/TensorOptions.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+
 namespace terra::capture {
 
 namespace {
@@ -57,6 +63,8 @@ const char* PlaceholderImpl::tensorimpl_type_name() const { return message_for(p
 
 c10::intrusive_ptr<c10::TensorImpl> PlaceholderImpl::shallow_copy_and_detach(
     const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
+  if (is_bound())  // an ordinary tensor now: its copies are ordinary tensors too
+    return c10::TensorImpl::shallow_copy_and_detach(version_counter, allow_tensor_metadata_change);
   auto copy = c10::make_intrusive<PlaceholderImpl>(unsafe_storage(), meta_of(*this), producer_);
   copy->set_version_counter(version_counter);
   copy->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
@@ -73,6 +81,39 @@ void PlaceholderImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl
   copy_tensor_metadata(impl.get(), this, version_counter(), allow_tensor_metadata_change());
   refresh_numel();
   refresh_contiguous();
+}
+
+void PlaceholderImpl::bind(const at::Tensor& value) {
+  TORCH_CHECK(!is_bound(), "terra_torch: placeholder produced by ", c10::toString(producer_.operator_name()),
+              " is already bound");
+  TORCH_CHECK(value.scalar_type() == c10::typeMetaToScalarType(dtype()) && value.sizes() == sizes() &&
+                  value.device() == device(),
+              "terra_torch: cannot bind a placeholder of ", c10::toString(producer_.operator_name()), " (",
+              c10::typeMetaToScalarType(dtype()), sizes(), " on ", device(), ") to a value of ", value.scalar_type(),
+              value.sizes(), " on ", value.device());
+  c10::StorageImpl* storage = storage_.unsafeGetStorageImpl();
+  if (storage->data() == nullptr) {
+    // First of its aliases to be bound: the storage gets memory of its device.
+    c10::Allocator* allocator = c10::GetAllocator(device().type());
+    storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
+    storage->set_allocator(allocator);
+  }
+  // From now on this is an ordinary tensor of its device: our backend bit gives way to the
+  // device's, and data access is allowed again.
+  auto device_keys = c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, device()));
+  key_set_ = key_set_.remove_backend(kTerraBackendBitForPlaceholders) |
+             (device_keys & c10::DispatchKeySet(c10::DispatchKeySet::RAW, c10::full_backend_mask));
+  storage_access_should_throw_ = false;
+  at::Tensor self(c10::intrusive_ptr<c10::TensorImpl>::unsafe_reclaim_from_nonowning(this));
+  SuspendGuard no_interception;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+  self.copy_(value);
+}
+
+void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value) {
+  auto* impl = dynamic_cast<PlaceholderImpl*>(placeholder.unsafeGetTensorImpl());
+  TORCH_CHECK(impl != nullptr, "terra_torch: bind_placeholder needs a placeholder tensor");
+  impl->bind(value);
 }
 
 bool is_placeholder(const at::Tensor& t) {

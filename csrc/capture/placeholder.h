@@ -12,6 +12,8 @@
 
 namespace terra::capture {
 
+constexpr c10::BackendComponent kTerraBackendBitForPlaceholders = c10::BackendComponent::PrivateUse3Bit;
+
 class PlaceholderImpl : public c10::TensorImpl {
  public:
   // A fresh placeholder with its own (dataless) storage.
@@ -20,6 +22,13 @@ class PlaceholderImpl : public c10::TensorImpl {
   PlaceholderImpl(c10::Storage storage, const TensorMeta& meta, const c10::OperatorHandle& producer);
 
   const c10::OperatorHandle& producer() const { return producer_; }
+
+  // Gives this placeholder its value and turns it into an ordinary tensor of its device: the
+  // shared (dataless) storage receives real memory holding `value` laid out as this tensor's
+  // sizes/strides say, so views of the same base see it too once they are bound. Used when the
+  // runtime materializes a placeholder (a fetch, or a fall back to eager).
+  void bind(const at::Tensor& value);
+  bool is_bound() const { return !key_set_.has_backend(kTerraBackendBitForPlaceholders); }
   const char* tensorimpl_type_name() const override;
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
@@ -33,7 +42,10 @@ class PlaceholderImpl : public c10::TensorImpl {
   c10::OperatorHandle producer_;
 };
 
+// True for a placeholder that has no value yet.
 bool is_placeholder(const at::Tensor& t);
+// Binds `placeholder` (which must be a PlaceholderImpl) to `value`; see PlaceholderImpl::bind.
+void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value);
 at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);
 at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
                                  const c10::OperatorHandle& producer);

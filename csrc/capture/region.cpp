@@ -88,12 +88,24 @@ void Region::close() {
   g_active.store(nullptr, std::memory_order_release);
   open_ = false;
   produced_.clear();
+  produced_storage_.clear();
 }
 
 ValueRef Region::reference(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto it = produced_.find(impl);
   if (it != produced_.end()) return it->second.ref;
+  if (t.has_storage()) {
+    auto entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl());
+    if (entry != produced_storage_.end()) {
+      // Newest first: after an in-place op the newest version is the one to read.
+      for (auto alias = entry->second.aliases.rbegin(); alias != entry->second.aliases.rend(); ++alias) {
+        if (alias->storage_offset == impl->storage_offset() && alias->dtype == t.scalar_type() &&
+            c10::IntArrayRef(alias->sizes) == impl->sizes() && c10::IntArrayRef(alias->strides) == impl->strides())
+          return alias->ref;
+      }
+    }
+  }
   auto [ext, inserted] = external_index_.try_emplace(impl, static_cast<int32_t>(trace_.externals.size()));
   if (inserted) {
     trace_.externals.push_back({meta_of(t), impl});
@@ -113,6 +125,16 @@ void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
   // In-place ops return their input: its newest version is this output from now on.
   produced_.insert_or_assign(impl, Produced{c10::weak_intrusive_ptr<c10::TensorImpl>(
                                                 t.getIntrusivePtr()), ref});
+  if (t.has_storage()) {
+    const c10::Storage& storage = impl->unsafe_storage();
+    auto entry = produced_storage_.find(storage.unsafeGetStorageImpl());
+    if (entry == produced_storage_.end())
+      entry = produced_storage_.emplace(storage.unsafeGetStorageImpl(), StorageEntry(storage.getWeakStorageImpl())).first;
+    entry->second.aliases.push_back({impl->storage_offset(),
+                                     c10::SmallVector<int64_t, 6>(impl->sizes().begin(), impl->sizes().end()),
+                                     c10::SmallVector<int64_t, 6>(impl->strides().begin(), impl->strides().end()),
+                                     t.scalar_type(), ref});
+  }
 }
 
 void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args) {
@@ -123,16 +145,20 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
       if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor())});
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
-      for (size_t k = 0; k < list.size(); ++k) rec.inputs.push_back({int32_t(i), int32_t(k), reference(list.get(k))});
+      for (size_t k = 0; k < list.size(); ++k) {
+        at::Tensor e = list.get(k);
+        if (e.defined()) rec.inputs.push_back({int32_t(i), int32_t(k), reference(e)});
+      }
     } else if (v.isOptionalTensorList()) {
       int32_t k = 0;
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor()) rec.inputs.push_back({int32_t(i), k, reference(e.toTensor())});
+        if (e.isTensor() && e.toTensor().defined()) rec.inputs.push_back({int32_t(i), k, reference(e.toTensor())});
         ++k;
       }
     }
     if (!is_tensor_like(v)) {
       rec.attributes.push_back(v);
+      rec.attribute_arguments.push_back(static_cast<int16_t>(i));
       h = hash_attribute(h, v);
     }
   }

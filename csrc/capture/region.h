@@ -41,6 +41,8 @@ class Region {
 
   Mode mode() const { return mode_; }
   const Trace& trace() const { return trace_; }
+  // The external inputs themselves, in Trace::externals order (kept alive by the region).
+  const std::vector<at::Tensor>& external_tensors() const { return externals_alive_; }
   LocationTracker& locations() { return locations_; }
 
   // The interceptor's entry: every aten op of the region arrives here.
@@ -66,6 +68,20 @@ class Region {
   LocationTracker locations_;
   Trace trace_;
   std::unordered_map<const c10::TensorImpl*, Produced> produced_;
+  // The same value can come back as another TensorImpl over the same storage: autograd unpacks
+  // the outputs it saved for backward into fresh tensors. Matched by storage and metadata.
+  struct StorageAlias {
+    int64_t storage_offset;
+    c10::SmallVector<int64_t, 6> sizes, strides;
+    c10::ScalarType dtype;
+    ValueRef ref;
+  };
+  struct StorageEntry {
+    explicit StorageEntry(c10::weak_intrusive_ptr<c10::StorageImpl> s) : storage(std::move(s)) {}
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // pins the address
+    std::vector<StorageAlias> aliases;
+  };
+  std::unordered_map<const c10::StorageImpl*, StorageEntry> produced_storage_;
   std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
   std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
   std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location

@@ -51,6 +51,7 @@ struct ExternalInput {
 struct OpRecord {
   c10::OperatorHandle op;
   std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
+  std::vector<int16_t> attribute_arguments;  // schema position of each attribute
   uint64_t attributes_hash = 0;
   std::vector<OpInput> inputs;
   std::vector<TensorMeta> outputs;  // tensor outputs, lists flattened

@@ -23,9 +23,10 @@ uint64_t fnv1a(std::string_view s, uint64_t h = 0xcbf29ce484222325ULL) {
 // The tensor layout (which arguments carry tensors, list lengths) and the output count are part
 // of what makes two ops equal: the emitter rebuilds the argument list from one record per node,
 // so records that disagree on it must not share a node.
-uint64_t layout_hash(const capture::OpRecord& rec) {
+uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec) {
   uint64_t h = trace::mix64(rec.outputs.size() + 1);
   for (const capture::OpInput& in : rec.inputs) {
+    if (is_none_input(trace, in)) continue;
     h = trace::hash_combine(h, (static_cast<uint64_t>(in.argument) << 32) ^
                                    static_cast<uint32_t>(in.list_index));
   }
@@ -33,6 +34,12 @@ uint64_t layout_hash(const capture::OpRecord& rec) {
 }
 
 }  // namespace
+
+bool is_none_input(const capture::Trace& trace, const capture::OpInput& input) {
+  const capture::ValueRef& v = input.value;
+  return v.is_external() && static_cast<size_t>(v.external) < trace.externals.size() &&
+         trace.externals[v.external].identity == c10::UndefinedTensorImpl::singleton();
+}
 
 uint64_t operator_id(const c10::OperatorName& name) {
   uint64_t h = fnv1a(name.name);
@@ -84,13 +91,14 @@ trace::Trace CapturedProgram::translate(const capture::Trace& in) {
     const capture::OpRecord& rec = in.ops[i];
     trace::OpRecord op;
     op.key.op = operator_id(rec.op.operator_name());
-    op.key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(rec));
+    op.key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(in, rec));
     op.key.location = rec.location;
     op.loops.reserve(rec.loops.size());
     for (const capture::LoopFrame& f : rec.loops) op.loops.push_back({f.loop_id, f.iteration});
     op.inputs.reserve(rec.inputs.size());
     const bool read = is_read_op(rec.op.schema());
     for (const capture::OpInput& input : rec.inputs) {
+      if (is_none_input(in, input)) continue;
       const capture::ValueRef& v = input.value;
       if (v.is_external()) {
         op.inputs.push_back(trace::ValueRef::feed(feeds.at(v.external)));
@@ -116,7 +124,8 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
     const capture::OpRecord& rec = captured.ops[i];
     OpInfo info{rec.op, rec.attributes, {}, static_cast<uint32_t>(rec.outputs.size())};
     info.tensor_args.reserve(rec.inputs.size());
-    for (const capture::OpInput& input : rec.inputs) info.tensor_args.push_back({input.argument, input.list_index});
+    for (const capture::OpInput& input : rec.inputs)
+      if (!is_none_input(captured, input)) info.tensor_args.push_back({input.argument, input.list_index});
     slot.emplace(std::move(info));
   }
   traces_.push_back(std::move(t));

@@ -57,6 +57,8 @@ class CapturedProgram {
   // The translated trace (input of the Cursor) and the node each of its records merged into.
   const trace::Trace& trace(uint32_t i) const { return traces_[i]; }
   const std::vector<trace::NodeId>& record_nodes(uint32_t i) const { return record_nodes_[i]; }
+  const std::vector<trace::Trace>& traces() const { return traces_; }
+  const std::vector<std::vector<trace::NodeId>>& all_record_nodes() const { return record_nodes_; }
   // nullptr for start, end and loop nodes.
   const OpInfo* info(trace::NodeId n) const {
     return n < infos_.size() && infos_[n] ? &*infos_[n] : nullptr;
@@ -80,6 +82,11 @@ uint64_t operator_id(const c10::OperatorName& name);
 // but no tensor (aten::_local_scalar_dense behind .item() and bool(t), aten::equal, ...), and
 // terra::fetch itself (an explicit "Python reads this tensor" marker).
 bool is_read_op(const c10::FunctionSchema& schema);
+
+// An input that stands for None: the capture layer records an undefined tensor inside a
+// Tensor?[] argument (x[:, idx] indexes with [None, idx]) as an external whose TensorImpl is the
+// undefined-tensor singleton. Such inputs get no slot; the emitter fills the hole with None.
+bool is_none_input(const capture::Trace& trace, const capture::OpInput& input);
 
 // The external tensors of a region, indexed like region.trace().externals. The region keeps them
 // alive (Region::externals_alive_) and its trace records their TensorImpl, which is all this

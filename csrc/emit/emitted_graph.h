@@ -39,6 +39,8 @@ struct EmitStats {
   size_t loops = 0;      // prim::Loop nodes
   size_t unrolled = 0;   // loops unrolled
   size_t nodes_after_passes = 0;
+  double emit_ms = 0;      // building the graph
+  double optimize_ms = 0;  // passes and lint
 };
 
 struct EmittedGraph {

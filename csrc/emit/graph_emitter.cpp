@@ -12,6 +12,7 @@
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -55,8 +56,8 @@ std::string op_name(const c10::OperatorHandle& op) { return c10::toString(op.ope
 class Emitter {
  public:
   Emitter(const CapturedProgram& cp, const trace::Program& prog, EmittedGraph& out)
-      : cp_(cp), prog_(prog), out_(out), g_(*out.graph), flow_(analyze_value_flow(cp.graph())) {
-    env_.assign(flow_.num_vars, nullptr);
+      : cp_(cp), prog_(prog), out_(out), g_(*out.graph), flow_(cp.graph(), prog, cp.traces(), cp.all_record_nodes()) {
+    env_.assign(flow_.num_vars(), nullptr);
     case_select_ = c10::Symbol::fromQualString(kCaseSelectOp);
     loop_cond_ = c10::Symbol::fromQualString(kLoopCondOp);
     feed_ = c10::Symbol::fromQualString(kFeedOp);
@@ -81,7 +82,11 @@ class Emitter {
         return;
       case ProgKind::kUnrolled:
         ++out_.stats.unrolled;
-        for (uint32_t i = 0; i < pn.trip_count; ++i) emit(pn.children[0]);
+        for (uint32_t i = 0; i < pn.trip_count; ++i) {
+          copy_.push_back(i);
+          emit(pn.children[0]);
+          copy_.pop_back();
+        }
         return;
     }
   }
@@ -138,10 +143,17 @@ class Emitter {
 
   // ---- values read by op inputs ------------------------------------------------------------
 
+  // Python may send "none" at a fed input that has also read graph values.
+  bool optional_feed(NodeId n, uint32_t slot) const {
+    const auto& sources = cp_.graph().node(n).inputs[slot];
+    return std::any_of(sources.begin(), sources.end(),
+                       [](const trace::Source& s) { return s.kind == trace::Source::Kind::kNode; });
+  }
+
   Value* input(NodeId n, uint32_t slot) {
-    const SlotFlow& f = flow_.slots[n][slot];
-    if (f.feed) {
-      const bool optional = f.var != kNoVar;
+    const VarId var = flow_.read(n, slot, copy_);
+    if (flow_.fed(n, slot)) {
+      const bool optional = optional_feed(n, slot);
       const uint64_t key = EmittedGraph::key(n, slot);
       auto [it, inserted] = out_.feed_index.try_emplace(key, static_cast<uint32_t>(out_.feeds.size()));
       if (inserted) out_.feeds.push_back({n, slot, optional});
@@ -153,7 +165,7 @@ class Emitter {
       Value* none = g_.insertNode(g_.createNone())->output();
       Value* is_none = g_.insert(c10::Symbol::fromQualString("aten::__is__"), {fed, none});
       Node* pick = g_.insertNode(g_.create(c10::prim::If, {is_none}, 0));
-      Value* computed = env_[f.var];
+      Value* computed = var != kNoVar ? env_[var] : nullptr;
       {
         WithInsertPoint wp(pick->addBlock());
         pick->blocks()[0]->registerOutput(computed != nullptr ? computed : uninitialized());
@@ -164,12 +176,13 @@ class Emitter {
       }
       return pick->addOutput()->setType(c10::TensorType::get());
     }
-    Value* v = env_[f.var];
-    if (v == nullptr) {
-      throw std::logic_error("terra_torch: input " + std::to_string(slot) + " of node " + std::to_string(n) +
-                             " reads a value that no producer assigns before it");
-    }
-    return v;
+    if (var == kNoVar) throw std::logic_error("terra_torch: input " + std::to_string(slot) + " of node " +
+                                              std::to_string(n) + " has no recorded source");
+    // No producer precedes this read in program order: the construct is only reachable on
+    // program paths that are not TraceGraph paths (e.g. an unrolled first iteration taking a
+    // case that the recorded traces only took in later iterations), which the Cursor rejects.
+    if (env_[var] == nullptr) return uninitialized();
+    return env_[var];
   }
 
   // ---- ops ----------------------------------------------------------------------------------
@@ -302,8 +315,11 @@ class Emitter {
     if (lists > 1 || info.num_outputs < plain)
       throw std::runtime_error("terra_torch: cannot map the recorded outputs of " + op_name(info.op));
     uint32_t k = 0;
+    std::vector<VarId> vars;
     auto bind = [&](Value* v) {
-      for (const VarId var : flow_.assigned_by(n, k)) assign(var, v);
+      vars.clear();
+      flow_.assigned_by(n, k, copy_, vars);
+      for (const VarId var : vars) assign(var, v);
       ++k;
     };
     for (size_t r = 0; r < returns.size(); ++r) {
@@ -412,15 +428,25 @@ class Emitter {
   void collect_writes(ProgId p, std::vector<VarId>& out) {
     const trace::ProgNode& pn = prog_.at(p);
     if (pn.kind == ProgKind::kBlock) {
+      std::vector<VarId> vars;
       for (const NodeId n : pn.ops) {
-        if (n >= flow_.writes.size()) continue;
-        for (const auto& vars : flow_.writes[n]) {
+        for (uint32_t k = 0; k < cp_.graph().node(n).num_outputs; ++k) {
+          vars.clear();
+          flow_.assigned_by(n, k, copy_, vars);
           for (const VarId v : vars) {
             if (seen_[v] == epoch_) continue;
             seen_[v] = epoch_;
             out.push_back(v);
           }
         }
+      }
+      return;
+    }
+    if (pn.kind == ProgKind::kUnrolled) {
+      for (uint32_t i = 0; i < pn.trip_count; ++i) {
+        copy_.push_back(i);
+        collect_writes(pn.children[0], out);
+        copy_.pop_back();
       }
       return;
     }
@@ -434,6 +460,7 @@ class Emitter {
   ValueFlow flow_;
   std::vector<Value*> env_;
   std::vector<std::pair<VarId, Value*>> journal_;
+  CopyIndex copy_;  // trip indices of the unrolled loops being emitted
   std::vector<uint32_t> seen_;
   uint32_t epoch_ = 0;
   c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_;
@@ -459,14 +486,20 @@ void optimize_graph(std::shared_ptr<Graph>& graph) {
 }
 
 EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured, const EmitOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); };
   EmittedGraph out;
   out.graph = std::make_shared<Graph>();
+  auto t0 = Clock::now();
   {
     Emitter emitter(program, structured, out);
     emitter.emit(structured.root);
   }
-  out.graph->lint();
-  if (options.optimize) optimize_graph(out.graph);
+  out.stats.emit_ms = ms(t0);
+  t0 = Clock::now();
+  if (options.optimize) optimize_graph(out.graph);  // lints after the passes
+  else if (options.lint) out.graph->lint();
+  out.stats.optimize_ms = ms(t0);
   out.stats.nodes_after_passes = count_nodes(out.graph->block());
   return out;
 }

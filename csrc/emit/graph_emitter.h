@@ -2,7 +2,27 @@
 // one TorchScript IR graph. Op nodes become aten nodes rebuilt from their schema; switches become
 // prim::If driven by terra::case_select; loops become prim::Loop driven by terra::loop_cond (or
 // are unrolled); external tensors enter through terra::feed / terra::feed_or_none and values the
-// Python side reads leave through terra::fetch. See docs/EMIT.md.
+// Python side reads leave through terra::fetch.
+//
+// Shape of the result (what the runtime relies on):
+//  * one graph, no graph inputs or outputs: everything enters by feeds and leaves by fetches;
+//  * feed slot = (node, input): a fed input pulls one tensor per execution of its op, so the
+//    same external tensor used by three ops is fed three times; an input that saw both
+//    external tensors and graph values uses feed_or_none and an If picks the graph value on none;
+//  * fetch slot = (read node, input): ops whose results Python reads (.item(), bool(t), an
+//    explicit terra::fetch marker) become fetches of their tensor inputs and are not emitted;
+//  * switch k: `case_select(site)` then a chain of prim::If on `== 0`, `== 1`, ...; values a case
+//    produces leave the If as outputs, prim::Uninitialized standing in on the other paths;
+//  * kWhile: prim::Loop(INT64_MAX, true, carried...) whose body ends with loop_cond(site);
+//  * kUnrolled: the body emitted trip_count times.
+//
+// Limitations: an input reads, among the producer copies recorded for it, the one that ran last
+// (value_flow.h); a Python-level choice between two values with no op in between (`y if flag
+// else z` on a path that is otherwise identical) is invisible and reads the later one. Inside a
+// prim::Loop all iterations share one copy, so iteration i of one loop cannot read iteration i
+// of an earlier loop (that needs lists; unrolled loops are exact). Scalar attributes are baked in
+// as constants; Python scalars the arg parser wraps into tensors are feeds. RNG ops draw from the
+// generator current when the graph runs.
 #pragma once
 
 #include <memory>
@@ -15,6 +35,7 @@ namespace terra::emit {
 
 struct EmitOptions {
   bool optimize = true;  // run optimize_graph on the result
+  bool lint = true;      // without optimize: Graph::lint() the result (with it, always)
 };
 
 // `structured` must be assign_cases(program.graph()). Throws std::runtime_error for ops it cannot

@@ -52,14 +52,15 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
   if (captured.ops.size() != nodes.size())
     throw std::invalid_argument("terra_torch: capture trace does not match trace " + std::to_string(index));
   for (size_t i = 0; i < captured.ops.size(); ++i) {
-    const auto& inputs = captured.ops[i].inputs;
-    for (uint32_t s = 0; s < inputs.size(); ++s) {
-      const int64_t slot = emitted.feed_slot(nodes[i], s);
-      const capture::ValueRef& v = inputs[s].value;
+    uint32_t s = 0;  // slot numbering skips inputs that stand for None, as the translation does
+    for (const capture::OpInput& input : captured.ops[i].inputs) {
+      if (is_none_input(captured, input)) continue;
+      const int64_t slot = emitted.feed_slot(nodes[i], s++);
+      const capture::ValueRef& v = input.value;
       if (slot < 0) {
         if (v.is_external())
           throw std::logic_error("terra_torch: record " + std::to_string(i) + " reads an external tensor at input " +
-                                 std::to_string(s) + " but the graph has no feed there");
+                                 std::to_string(s - 1) + " but the graph has no feed there");
         continue;
       }
       if (!v.is_external()) {

@@ -1,59 +1,185 @@
-// Builds the variables of value_flow.h: one per distinct set of producers feeding some slot.
+// Builds the copy-level variables of value_flow.h from the recorded traces.
 #include "emit/value_flow.h"
 
 #include <algorithm>
-#include <map>
-#include <utility>
+#include <stdexcept>
+#include <string>
+
+#include "trace/hash.h"
 
 namespace terra::emit {
 
 namespace {
-const std::vector<VarId> kNone;
+
+uint64_t hash_copy(uint64_t h, const CopyIndex& c) {
+  for (const uint32_t i : c) h = trace::hash_combine(h, i);
+  return h;
 }
 
-const std::vector<VarId>& ValueFlow::assigned_by(trace::NodeId n, uint32_t output) const {
-  if (n >= writes.size() || output >= writes[n].size()) return kNone;
-  return writes[n][output];
+uint64_t pair_key(trace::NodeId n, uint32_t i) { return (static_cast<uint64_t>(n) << 32) | i; }
+
+// The loop nodes around `n`, outermost first.
+std::vector<trace::NodeId> enclosing_loops(const trace::TraceGraph& g, trace::NodeId n) {
+  std::vector<trace::NodeId> out;
+  for (trace::NodeId loop = g.graph(g.node(n).graph).loop; loop != trace::kNoNode;
+       loop = g.graph(g.node(loop).graph).loop) {
+    out.push_back(loop);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
 }
 
-ValueFlow analyze_value_flow(const trace::TraceGraph& graph) {
-  using Producer = std::pair<trace::NodeId, uint32_t>;
-  ValueFlow flow;
-  const size_t n = graph.num_nodes();
-  flow.slots.resize(n);
-  flow.writes.resize(n);
-  std::map<std::vector<Producer>, VarId> vars;
-  std::vector<Producer> set;
-  for (trace::NodeId id = 0; id < n; ++id) {
-    const trace::Node& node = graph.node(id);
-    if (node.kind != trace::NodeKind::kOp) continue;
-    flow.slots[id].resize(node.inputs.size());
-    for (size_t s = 0; s < node.inputs.size(); ++s) {
-      SlotFlow& slot = flow.slots[id][s];
-      set.clear();
-      for (const trace::Source& src : node.inputs[s]) {
-        if (src.kind == trace::Source::Kind::kFeed) {
-          slot.feed = true;
-        } else {
-          set.emplace_back(src.id, src.output);  // loop-carried or not: the same producer
-        }
+bool unrolled(const trace::Program& p, trace::NodeId loop) {
+  return loop < p.loops.size() && p.loops[loop].unrolled > 0;
+}
+
+}  // namespace
+
+size_t ValueFlow::KeyHash::operator()(const Key& k) const noexcept {
+  return static_cast<size_t>(hash_copy(trace::mix64(pair_key(k.node, k.index)), k.copy));
+}
+
+std::vector<std::vector<uint32_t>> trip_indices(const trace::Trace& trace) {
+  struct Level {
+    uint64_t loop_id;
+    uint32_t iteration;
+    uint32_t trip;
+  };
+  std::vector<Level> open;
+  std::vector<std::vector<uint32_t>> out;
+  out.reserve(trace.ops.size());
+  for (const trace::OpRecord& op : trace.ops) {
+    const auto& frames = op.loops;
+    size_t keep = 0;
+    bool next = false;
+    while (keep < open.size() && keep < frames.size()) {
+      if (frames[keep].loop_id != open[keep].loop_id || frames[keep].iteration < open[keep].iteration) break;
+      ++keep;
+      if (frames[keep - 1].iteration > open[keep - 1].iteration) {
+        next = true;
+        break;
       }
-      if (set.empty()) continue;
-      std::sort(set.begin(), set.end());
-      set.erase(std::unique(set.begin(), set.end()), set.end());
-      const auto [it, inserted] = vars.try_emplace(set, flow.num_vars);
-      if (inserted) {
-        ++flow.num_vars;
-        for (const auto& [producer, output] : set) {
-          auto& outs = flow.writes[producer];
-          if (outs.size() <= output) outs.resize(output + 1);
-          outs[output].push_back(it->second);
-        }
+    }
+    open.resize(keep, Level{});
+    if (next) {
+      open[keep - 1].iteration = frames[keep - 1].iteration;
+      ++open[keep - 1].trip;
+    }
+    for (size_t d = keep; d < frames.size(); ++d) open.push_back({frames[d].loop_id, frames[d].iteration, 0});
+    std::vector<uint32_t> trips(open.size());
+    for (size_t d = 0; d < open.size(); ++d) trips[d] = open[d].trip;
+    out.push_back(std::move(trips));
+  }
+  return out;
+}
+
+ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& program,
+                     std::span<const trace::Trace> traces, std::span<const std::vector<trace::NodeId>> record_nodes) {
+  fed_.resize(graph.num_nodes());
+  std::unordered_map<Key, std::vector<Item>, KeyHash> seen;
+  for (size_t t = 0; t < traces.size(); ++t) observe(graph, program, traces[t], record_nodes[t], seen);
+  CopyIndex copy;
+  add_fallbacks(graph, program, program.root, copy, seen);
+  for (auto& [key, items] : seen) {
+    std::sort(items.begin(), items.end());
+    items.erase(std::unique(items.begin(), items.end()), items.end());
+    reads_.emplace(key, intern(std::move(items)));
+  }
+  set_index_.clear();
+  sets_.clear();
+}
+
+void ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& program, const trace::Trace& trace,
+                        const std::vector<trace::NodeId>& nodes,
+                        std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
+  const auto trips = trip_indices(trace);
+  std::unordered_map<trace::NodeId, std::vector<trace::NodeId>> loops_of;
+  std::vector<CopyIndex> copies(trace.ops.size());
+  for (size_t r = 0; r < trace.ops.size(); ++r) {
+    auto [it, inserted] = loops_of.try_emplace(nodes[r]);
+    if (inserted) it->second = enclosing_loops(graph, nodes[r]);
+    const auto& loops = it->second;
+    if (loops.size() != trips[r].size())
+      throw std::logic_error("terra_torch: record " + std::to_string(r) + " has " + std::to_string(trips[r].size()) +
+                             " loop frames but its node lies in " + std::to_string(loops.size()) + " loops");
+    for (size_t d = 0; d < loops.size(); ++d)
+      if (unrolled(program, loops[d])) copies[r].push_back(trips[r][d]);
+  }
+  for (size_t r = 0; r < trace.ops.size(); ++r) {
+    const trace::NodeId n = nodes[r];
+    const auto& inputs = trace.ops[r].inputs;
+    if (fed_[n].size() < inputs.size()) fed_[n].resize(inputs.size(), false);
+    for (uint32_t s = 0; s < inputs.size(); ++s) {
+      const trace::ValueRef& in = inputs[s];
+      if (in.kind == trace::ValueRef::Kind::kFeed) {
+        fed_[n][s] = true;
+        continue;
       }
-      slot.var = it->second;
+      seen[Key{n, s, copies[r]}].push_back(Item{nodes[in.index], in.output, copies[in.index], false});
     }
   }
-  return flow;
+}
+
+// Every copy the program can run gets a read set; copies no trace ran read "any copy" of the
+// node-level producers.
+void ValueFlow::add_fallbacks(const trace::TraceGraph& graph, const trace::Program& program, trace::ProgId p,
+                              CopyIndex& copy, std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
+  const trace::ProgNode& pn = program.at(p);
+  if (pn.kind == trace::ProgKind::kBlock) {
+    for (const trace::NodeId n : pn.ops) {
+      const trace::Node& node = graph.node(n);
+      for (uint32_t s = 0; s < node.inputs.size(); ++s) {
+        Key key{n, s, copy};
+        if (seen.count(key)) continue;
+        std::vector<Item> items;
+        for (const trace::Source& src : node.inputs[s])
+          if (src.kind == trace::Source::Kind::kNode) items.push_back(Item{src.id, src.output, {}, true});
+        if (!items.empty()) seen.emplace(std::move(key), std::move(items));
+      }
+    }
+    return;
+  }
+  if (pn.kind == trace::ProgKind::kUnrolled) {
+    for (uint32_t i = 0; i < pn.trip_count; ++i) {
+      copy.push_back(i);
+      add_fallbacks(graph, program, pn.children[0], copy, seen);
+      copy.pop_back();
+    }
+    return;
+  }
+  for (const trace::ProgId c : pn.children) add_fallbacks(graph, program, c, copy, seen);
+}
+
+VarId ValueFlow::intern(std::vector<Item> set) {
+  uint64_t h = 0;
+  for (const Item& i : set) h = hash_copy(trace::hash_combine(h, pair_key(i.node, i.output) * 2 + i.any), i.copy);
+  auto& bucket = set_index_[h];
+  for (const uint32_t e : bucket)
+    if (sets_[e].first == set) return sets_[e].second;
+  const VarId v = num_vars_++;
+  for (const Item& i : set) {
+    if (i.any) writes_any_[pair_key(i.node, i.output)].push_back(v);
+    else writes_[Key{i.node, i.output, i.copy}].push_back(v);
+  }
+  bucket.push_back(static_cast<uint32_t>(sets_.size()));
+  sets_.emplace_back(std::move(set), v);
+  return v;
+}
+
+VarId ValueFlow::read(trace::NodeId node, uint32_t slot, const CopyIndex& copy) const {
+  const auto it = reads_.find(Key{node, slot, copy});
+  return it == reads_.end() ? kNoVar : it->second;
+}
+
+bool ValueFlow::fed(trace::NodeId node, uint32_t slot) const {
+  return node < fed_.size() && slot < fed_[node].size() && fed_[node][slot];
+}
+
+void ValueFlow::assigned_by(trace::NodeId node, uint32_t output, const CopyIndex& copy, std::vector<VarId>& out) const {
+  if (auto it = writes_.find(Key{node, output, copy}); it != writes_.end())
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  if (auto it = writes_any_.find(pair_key(node, output)); it != writes_any_.end())
+    out.insert(out.end(), it->second.begin(), it->second.end());
 }
 
 }  // namespace terra::emit

@@ -1,17 +1,32 @@
-// Data flow of a TraceGraph as the emitter needs it, without torch. The TraceGraph keeps, per
-// input slot, every producer it saw (different paths and loop iterations read different ones);
-// the generated graph must pick, at run time, the one that ran last on the path taken.
+// Data flow of a TraceGraph as the emitter needs it, without torch.
 //
-// That is a variable per distinct producer set: every producer in the set assigns it when it
-// runs, the consumer reads it. The emitter turns variables into SSA values (prim::If outputs at
-// merges, prim::Loop carried values in loops), so the choice costs nothing at run time. Slots that
-// also saw external tensors are fed from Python: always (pure feed) or, when a producer in the
-// graph may be the source instead, only on the occasions Python says so (feed_or_none).
+// The generated graph must give each op input the value the recorded traces gave it. Op nodes
+// are emitted once per *copy*: once, or once per iteration of each unrolled loop around them; a
+// copy is named by the trip indices of those unrolled loops (outermost first). From the traces
+// we know, for every consumer copy and input slot, which producer copies it read (different
+// paths can read different ones). That set is a *variable*: every producer copy in it assigns
+// the variable when it runs, and the consumer reads it, i.e. it reads whichever ran last on the
+// path taken. The emitter turns variables into SSA values (prim::If outputs at merges,
+// prim::Loop carried values), so the choice costs nothing at run time.
+//
+// Copy-level sets matter for unrolled loops: `for p in params: s.append(zeros_like(p))` followed
+// by `for p, z in zip(params, s): ...` reads copy i of zeros_like in copy i of the second loop,
+// which "the last zeros_like that ran" would get wrong. Inside prim::Loop (a trip count that
+// varies) iterations share one copy, so such a pairing cannot be expressed (graph_emitter.h).
+//
+// Copies no trace executed (the program allows paths the TraceGraph does not) fall back to the
+// node-level producer set of the TraceGraph with "any copy". Slots that saw external tensors are
+// fed from Python: always (only feeds seen) or when Python says so (feed_or_none).
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
 
+#include "trace/op_record.h"
+#include "trace/program.h"
 #include "trace/trace_graph.h"
 
 namespace terra::emit {
@@ -19,20 +34,63 @@ namespace terra::emit {
 using VarId = uint32_t;
 inline constexpr VarId kNoVar = UINT32_MAX;
 
-struct SlotFlow {
-  VarId var = kNoVar;  // variable the slot reads; kNoVar: only external tensors were seen
-  bool feed = false;   // external tensors were seen here
+// Trip indices of the unrolled loops around a copy, outermost first.
+using CopyIndex = std::vector<uint32_t>;
+
+class ValueFlow {
+ public:
+  // `traces[i]` was merged into `graph` with `record_nodes[i]`; `program` = assign_cases(graph).
+  ValueFlow(const trace::TraceGraph& graph, const trace::Program& program, std::span<const trace::Trace> traces,
+            std::span<const std::vector<trace::NodeId>> record_nodes);
+
+  // The variable input `slot` of copy `copy` of `node` reads; kNoVar if only feeds were seen.
+  VarId read(trace::NodeId node, uint32_t slot, const CopyIndex& copy) const;
+  // External tensors were seen at this input (in any copy).
+  bool fed(trace::NodeId node, uint32_t slot) const;
+  // Appends the variables copy `copy` of `node` assigns with output `output`.
+  void assigned_by(trace::NodeId node, uint32_t output, const CopyIndex& copy, std::vector<VarId>& out) const;
+  uint32_t num_vars() const { return num_vars_; }
+
+ private:
+  struct Key {
+    trace::NodeId node;
+    uint32_t index;  // input slot (reads) or output (writes)
+    CopyIndex copy;
+    friend bool operator==(const Key&, const Key&) = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const noexcept;
+  };
+  struct Item {  // one producer copy
+    trace::NodeId node;
+    uint32_t output;
+    CopyIndex copy;
+    bool any;  // every copy of the node (fallback sets)
+    friend bool operator==(const Item&, const Item&) = default;
+    friend bool operator<(const Item& a, const Item& b) {
+      return std::tie(a.node, a.output, a.any, a.copy) < std::tie(b.node, b.output, b.any, b.copy);
+    }
+  };
+
+  void observe(const trace::TraceGraph& graph, const trace::Program& program, const trace::Trace& trace,
+               const std::vector<trace::NodeId>& nodes,
+               std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
+  void add_fallbacks(const trace::TraceGraph& graph, const trace::Program& program, trace::ProgId p,
+                     CopyIndex& copy, std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
+  VarId intern(std::vector<Item> set);
+
+  std::unordered_map<Key, VarId, KeyHash> reads_;
+  std::unordered_map<Key, std::vector<VarId>, KeyHash> writes_;      // exact producer copies
+  std::unordered_map<uint64_t, std::vector<VarId>> writes_any_;      // (node, output) -> vars
+  std::vector<std::vector<bool>> fed_;                                // [node][slot]
+  std::vector<std::pair<std::vector<Item>, VarId>> sets_;             // for interning
+  std::unordered_map<uint64_t, std::vector<uint32_t>> set_index_;    // set hash -> sets_ entries
+  uint32_t num_vars_ = 0;
 };
 
-struct ValueFlow {
-  std::vector<std::vector<SlotFlow>> slots;             // [node][input slot]
-  std::vector<std::vector<std::vector<VarId>>> writes;  // [node][output]: variables it assigns
-  uint32_t num_vars = 0;
-
-  const std::vector<VarId>& assigned_by(trace::NodeId n, uint32_t output) const;
-};
-
-// Linear in the total number of recorded sources.
-ValueFlow analyze_value_flow(const trace::TraceGraph& graph);
+// Trip index of each enclosing loop for every record of `trace` (the iteration count of the
+// loop instance so far, 0-based; iterations that issued no ops do not count), by the loop-frame
+// rules of docs/TRACEGRAPH.md.
+std::vector<std::vector<uint32_t>> trip_indices(const trace::Trace& trace);
 
 }  // namespace terra::emit

@@ -54,6 +54,7 @@ void init_capture(py::module_& m) {
   m.def("install_interceptor", &capture::install_interceptor,
         "Give CompositeExplicitAutograd ops a direct kernel on terra's key; returns how many");
   m.def("is_placeholder", &capture::is_placeholder);
+  m.def("bind_placeholder", &capture::bind_placeholder, "Give a placeholder its value (materialization)");
   m.def("shape_cache_size", &capture::shape_cache_size);
 
   py::class_<Region, std::shared_ptr<Region>>(m, "Region")

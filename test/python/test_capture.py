@@ -276,3 +276,33 @@ def test_no_interception_outside_regions():
     y = (x * 2).sum()
     assert not _C.is_placeholder(y)
     assert terra_torch._C.shape_cache_size() >= 0
+
+
+def test_bound_placeholder_becomes_an_ordinary_tensor_and_views_see_the_value():
+    def fn(x):
+        y = x * 2
+        return y, y[1:], y.t()
+
+    x = torch.randn(3, 2)
+    (y, tail, yt), _ = debug.record(fn, x, mode="placeholder")
+    expected = x * 2
+    _C.bind_placeholder(y, expected)
+    assert not _C.is_placeholder(y)
+    assert torch.equal(y, expected) and y.is_cpu
+    assert (y.numpy() == expected.numpy()).all()
+    # Views share the storage: once bound (with the values they already hold) they read it.
+    _C.bind_placeholder(tail, expected[1:])
+    _C.bind_placeholder(yt, expected.t())
+    assert torch.equal(tail, expected[1:]) and torch.equal(yt, expected.t())
+    y.add_(1)  # ordinary tensors again: in-place updates show through their views
+    assert torch.equal(tail, expected[1:] + 1)
+    with pytest.raises(RuntimeError, match="already bound"):
+        _C.bind_placeholder(y, expected)
+
+
+def test_bind_rejects_mismatched_values():
+    (y, _), _ = debug.record(lambda x: (x * 2, None), torch.randn(3), mode="placeholder")
+    with pytest.raises(RuntimeError, match="cannot bind a placeholder of aten::mul"):
+        _C.bind_placeholder(y, torch.zeros(4))
+    with pytest.raises(RuntimeError, match="cannot bind"):
+        _C.bind_placeholder(y, torch.zeros(3, dtype=torch.float64))
