@@ -37,4 +37,5 @@ PYBIND11_MODULE(_C, m) {
   terra::python::init_capture(m);
   terra::python::init_profile(m);
   terra::python::init_emit(m);
+  terra::python::init_runtime(m);
 }
