@@ -20,10 +20,17 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        if self.inplace or getattr(self, "editable_mode", False):
-            out_dir = ROOT / "terra_torch"  # editable: the source tree is the package
-        build_dir = Path(os.environ.get("TERRA_BUILD_DIR", ROOT / "build"))
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        out_dir = target.parent
+        prebuilt = os.environ.get("TERRA_PREBUILT_EXTENSION")
+        if prebuilt:
+            # scripts/setup.sh has already built it with CMake; pip only registers the package.
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if Path(prebuilt).resolve() != target:
+                shutil.copyfile(prebuilt, target)
+            return
+        # A build folder of its own: scripts/setup.sh's build/ writes into the source tree.
+        build_dir = Path(os.environ.get("TERRA_BUILD_DIR", ROOT / "build" / "pip"))
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(build_dir),
             f"-DPython3_EXECUTABLE={sys.executable}",

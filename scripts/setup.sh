@@ -34,7 +34,7 @@ PYEOF
 
 # Build: configure once, then let ninja decide what is stale (a no-op build takes < 1 s).
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
-if [ ! -f build/CMakeCache.txt ]; then
+if [ ! -f build/CMakeCache.txt ] || ! grep -q "^TERRA_OUTPUT_DIR:PATH=$ROOT/terra_torch$" build/CMakeCache.txt; then
   cmake -S . -B build -G Ninja -DPython3_EXECUTABLE="$VPY" -DTERRA_OUTPUT_DIR="$ROOT/terra_torch" >/dev/null
 fi
 cmake --build build -j "${MAX_JOBS:-2}"
@@ -43,7 +43,8 @@ cmake --build build -j "${MAX_JOBS:-2}"
 # (Checked from / so that the current directory does not make the import succeed by accident.)
 installed=$(cd / && "$VPY" -c 'import terra_torch,os;print(os.path.dirname(terra_torch.__file__))' 2>/dev/null || true)
 if [ "$installed" != "$ROOT/terra_torch" ]; then
-  echo "[setup] pip install -e . --no-build-isolation"
-  "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+  echo "[setup] pip install -e . --no-build-isolation (registering the extension built above)"
+  ext=$(ls terra_torch/_C*.so | head -n 1)
+  TERRA_PREBUILT_EXTENSION="$ROOT/$ext" "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 echo "[setup] ready: $("$VPY" -c 'import torch, terra_torch; print("torch", torch.__version__, "terra_torch", terra_torch.__version__)')"
