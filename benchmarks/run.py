@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="terra_torch benchmarks against eager and peers")
     p.add_argument("--quick", action="store_true", help="fewer steps per repetition")
     p.add_argument("--only", default="", help="comma-separated programs (default: all)")
-    p.add_argument("--runners", default="", help=f"comma-separated, from {', '.join(KNOWN_RUNNERS)}")
+    p.add_argument("--runners", default="",
+                   help=f"comma-separated, from {', '.join(KNOWN_RUNNERS)}")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions after step 0")
     p.add_argument("--steps", type=int, default=None, help="steps per repetition (override)")
@@ -66,7 +67,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.steps, "threads": args.threads, "seed": args.seed}
 
 
-def worker_command(program: str, runner: str, args: argparse.Namespace, out: Path) -> list[str]:
+def worker_command(program: str, runner: str, args: argparse.Namespace, out: Path,
+                   rerun: bool) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.harness.worker", "--program", program,
            "--runner", runner, "--out", str(out), "--seed", str(args.seed),
            "--warmup", str(args.warmup), "--reps", str(args.reps),
@@ -75,21 +77,24 @@ def worker_command(program: str, runner: str, args: argparse.Namespace, out: Pat
         cmd += ["--steps", str(args.steps)]
     if args.quick:
         cmd.append("--quick")
-    if runner == "eager":
+    if rerun:
         cmd.append("--rerun")
     return cmd
 
 
-def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path,
+             rerun: bool = False) -> dict[str, Any]:
     """One worker process; a crash or timeout becomes a result, not an exception."""
     out = scratch / f"{program}.{runner}.json"
     log = scratch / f"{program}.{runner}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     start = time.perf_counter()
     with open(log, "w") as log_file:
         try:
-            proc = subprocess.run(worker_command(program, runner, args, out), cwd=ROOT, env=env,
-                                  stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
+            proc = subprocess.run(worker_command(program, runner, args, out, rerun), cwd=ROOT,
+                                  env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout)
             rc: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -103,6 +108,33 @@ def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path)
     result.update(program=program, runner=runner, cell_wall_s=round(wall, 2),
                   finished_at=dt.datetime.now().isoformat(timespec="seconds"))
     return result
+
+
+def run_program(program: str, runners: list[str], args: argparse.Namespace, scratch: Path,
+                cells: dict[str, Any]) -> None:
+    """Eager first (with its determinism rerun), the other runners, then eager's timing again.
+
+    Eager's earlier timings (from a run this one merges into) are kept: ratios of the cells
+    that run measured stay against a baseline that includes its eager measurements.
+    """
+    earlier = list(cells.get("eager", {}).get("steps_per_s_runs", []))
+    for runner in runners:
+        cells[runner] = run_cell(program, runner, args, scratch, rerun=runner == "eager")
+        print(progress(cells[runner]), flush=True)
+    if len(runners) > 1 and cells["eager"].get("status") == "ok":
+        again = run_cell(program, "eager", args, scratch)
+        print(progress(again, "eager (again)"), flush=True)
+        merge_eager_timing(cells["eager"], again, earlier)
+
+
+def merge_eager_timing(eager: dict[str, Any], again: dict[str, Any],
+                       earlier: list[float]) -> None:
+    """Keep every eager measurement; ratios use the fastest (conservative under load)."""
+    runs = earlier + [eager.get("steps_per_s"), again.get("steps_per_s")]
+    runs = [r for r in runs if isinstance(r, (int, float))]
+    eager["steps_per_s_runs"] = runs
+    if runs:
+        eager["steps_per_s"] = max(runs)
 
 
 def _rel(path: Path) -> str:
@@ -139,11 +171,11 @@ def attach_correctness(doc: dict[str, Any]) -> None:
                 cell["correctness"] = compare.verdict(ref, cell)
 
 
-def progress(cell: dict[str, Any]) -> str:
+def progress(cell: dict[str, Any], label: str = "") -> str:
     sps = cell.get("steps_per_s")
     speed = f"{sps:9.1f} steps/s" if isinstance(sps, (int, float)) else f"{'-':>9} steps/s"
     why = cell.get("reason") or (cell.get("error") or {}).get("message", "")
-    return (f"  {cell['program']:12s} {cell['runner']:17s} {cell['status']:11s} {speed}"
+    return (f"  {cell['program']:12s} {label or cell['runner']:17s} {cell['status']:11s} {speed}"
             f"  [{cell['cell_wall_s']:.0f}s] {why[:90]}")
 
 
@@ -162,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {len(programs)} programs x {len(runners)} runners -> {out_dir}", flush=True)
     with tempfile.TemporaryDirectory(prefix="terra-bench-") as scratch:
         for program in programs:
-            for runner in runners:
-                cell = run_cell(program, runner, args, Path(scratch))
-                doc["cells"].setdefault(program, {})[runner] = cell
-                print(progress(cell), flush=True)
+            run_program(program, runners, args, Path(scratch), doc["cells"].setdefault(program, {}))
     attach_correctness(doc)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     written = report.write_all(doc, out_dir)

@@ -20,6 +20,7 @@ DISPLAY_ORDER = ("eager", "compile", "compile-step", "jit-trace", "jit-script", 
 TERRA = ("terra", "terra-lazy", "terra-graph-only")
 MARKS = {"bitwise": "=", "close": "~", "drift": "~drift", "WRONG": "WRONG", "deterministic": "=",
          "NOT deterministic": "nondet"}
+NOISY = 0.25  # repetition spread (max - min) / median above which a timing gets a dagger
 BREAKDOWN_KEYS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
 
 
@@ -61,7 +62,8 @@ def cell_text(doc: dict[str, Any], program: str, runner: str) -> str:
         return f"FAIL ({status})"
     r = ratio(doc, program, runner)
     mark = MARKS.get(verdict_of(cell), verdict_of(cell))
-    return f"{cell['steps_per_s']:.0f} ({r:.2f}x) {mark}" if r is not None else f"{cell['steps_per_s']:.0f} {mark}"
+    speed = f"{cell['steps_per_s']:.0f}" + ("†" if cell.get("rep_spread", 0) > NOISY else "")
+    return f"{speed} ({r:.2f}x) {mark}" if r is not None else f"{speed} {mark}"
 
 
 # ---------------------------------------------------------------- Markdown
@@ -83,8 +85,13 @@ def legend() -> str:
         f"digest bitwise equal; `~` within tolerance (|x - eager| <= {RTOL:g} * max(1, |eager|) at "
         f"every step); `~drift` within {EARLY_RTOL:g} for the first {EARLY_STEPS} steps, beyond "
         f"{RTOL:g} only later (rounding differences amplified by training); `WRONG` ran to the "
-        "end but differs beyond that (a silently wrong result); `FAIL (error|crashed|timeout)` did not finish (reasons below); `n/a` runner not "
-        "available. In the eager column the mark is eager's own determinism (two runs compared)."
+        "end but differs beyond that (a silently wrong result); `FAIL (error|crashed|timeout)` "
+        "did not finish (reasons below); `n/a` runner not available. In the eager column the "
+        "mark is eager's own determinism (two runs compared). `†`: the timed repetitions "
+        f"spread by more than {NOISY:.0%} of their median (load from other processes). "
+        "Eager is timed twice per program, before and after the other runners; the table and "
+        "all ratios use the faster of the two (so load on this shared machine cannot inflate a "
+        "speed-up); both are listed under Programs."
     )
 
 
@@ -105,43 +112,59 @@ def first_call_table(doc: dict[str, Any]) -> str:
 
 
 def compiler_table(doc: dict[str, Any]) -> str:
-    """Dynamo's counters for the compile runners and LazyTensor's compile counters."""
-    lines = ["| program | runner | Dynamo compile s | graphs | graph breaks | recompiles | "
+    """Dynamo's counters for the compile runners and LazyTensor's compile counters.
+
+    frames: frames Dynamo converted (recompilations included); a frame with no graph ran
+    eagerly (Dynamo gives up on a function whose loop holds a graph break, for one).
+    """
+    lines = ["| program | runner | Dynamo compile s | frames | graphs | graph breaks | recompiles | "
              "recompile-limit hits | lazy compiles (uncached/cached) | top graph-break reasons |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for program in ordered_programs(doc):
         for runner in ("compile", "compile-step", "lazy"):
             stats = doc["cells"][program].get(runner, {}).get("stats")
             if not stats:
                 continue
-            lazy = (f"{stats.get('lazy_UncachedCompile', '-')}/{stats.get('lazy_CachedCompile', '-')}"
-                    if runner == "lazy" else "")
+            lazy = ""
+            if runner == "lazy":
+                lazy = (f"{stats.get('lazy_UncachedCompile', '-')}/"
+                        f"{stats.get('lazy_CachedCompile', '-')}")
             lines.append(
                 f"| {program} | {runner} | {stats.get('compile_time_s', '')} | "
-                f"{stats.get('unique_graphs', '')} | {stats.get('graph_breaks', '')} | "
-                f"{stats.get('recompiles', '')} | {stats.get('recompile_limit_hits', '')} | {lazy} | "
+                f"{stats.get('frames_compiled', '')} | {stats.get('unique_graphs', '')} | {stats.get('graph_breaks', '')} | "
+                f"{stats.get('recompiles', '')} | {stats.get('recompile_limit_hits', '')} | "
+                f"{lazy} | "
                 f"{_md('; '.join(stats.get('graph_break_reasons', [])[:3]))} |")
     return "\n".join(lines)
 
 
 def failure_lines(doc: dict[str, Any]) -> list[str]:
-    """One bullet per failed, wrong or unavailable cell; one per runner unavailable everywhere."""
-    lines = []
-    for runner in ordered_runners(doc):
-        reasons = {c[runner].get("reason") for c in doc["cells"].values()
-                   if c.get(runner, {}).get("status") == "unavailable"}
-        if len(reasons) == 1 and all(c.get(runner, {}).get("status") == "unavailable"
-                                     for c in doc["cells"].values()):
-            lines.append(f"- **{runner}** (all programs): unavailable: {_md(reasons.pop() or '')}")
-    everywhere = {line.split("**")[1] for line in lines}
+    """Unavailable runners grouped by reason, then one bullet per failed or wrong cell."""
+    lines = unavailable_lines(doc)
     for program in ordered_programs(doc):
         for runner in ordered_runners(doc):
             cell = doc["cells"][program].get(runner)
-            if cell is None or runner in everywhere:
+            if cell is None or cell.get("status") == "unavailable":
                 continue
             text = _failure_text(cell)
             if text:
                 lines.append(f"- **{program} / {runner}**: {text}")
+    return lines
+
+
+def unavailable_lines(doc: dict[str, Any]) -> list[str]:
+    """'- **runner**: unavailable (programs): reason', one line per runner and reason."""
+    programs = ordered_programs(doc)
+    lines = []
+    for runner in ordered_runners(doc):
+        by_reason: dict[str, list[str]] = {}
+        for program in programs:
+            cell = doc["cells"][program].get(runner, {})
+            if cell.get("status") == "unavailable":
+                by_reason.setdefault(cell.get("reason", ""), []).append(program)
+        for reason, names in by_reason.items():
+            where = "all programs" if len(names) == len(programs) else ", ".join(names)
+            lines.append(f"- **{runner}** unavailable ({where}): {_md(reason)}")
     return lines
 
 
@@ -180,8 +203,6 @@ def _correctness_text(cell: dict[str, Any]) -> str:
 def _failure_text(cell: dict[str, Any]) -> str:
     status = cell.get("status")
     corr = cell.get("correctness", {})
-    if status == "unavailable":
-        return f"unavailable: {cell.get('reason', '')}"
     if status in ("timeout", "crashed"):
         return f"{status}: {cell.get('reason', '')}"
     if status == "error":
@@ -200,6 +221,8 @@ def _wrong_detail(corr: dict[str, Any], cell: dict[str, Any]) -> str:
     losses = corr.get("losses") or {}
     digest = corr.get("digest") or {}
     parts = []
+    if losses.get("bitwise"):
+        parts.append("every loss bitwise equal")
     if not losses.get("within_tol", True):
         parts.append(f"losses leave tolerance at step {losses['first_bad_step']} "
                      f"(first bit difference at step {losses['first_diff_step']}, "
@@ -232,7 +255,8 @@ def breakdown_section(doc: dict[str, Any]) -> str:
              "|---|---|" + "---|" * len(BREAKDOWN_KEYS)]
     for program, runner in measured:
         b = doc["cells"][program][runner]["breakdown"]
-        lines.append(f"| {program} | {runner} | " + " | ".join(f"{b[k]:.3f}" for k in BREAKDOWN_KEYS) + " |")
+        values = " | ".join(f"{b[k]:.3f}" for k in BREAKDOWN_KEYS)
+        lines.append(f"| {program} | {runner} | {values} |")
     return "\n".join(lines)
 
 
@@ -241,8 +265,10 @@ def program_lines(doc: dict[str, Any]) -> list[str]:
     for program in ordered_programs(doc):
         eager = doc["cells"][program].get("eager", {})
         feats = ", ".join(eager.get("features", []))
+        runs = " and ".join(f"{r:.0f}" for r in eager.get("steps_per_s_runs", []))
+        measured = f"; eager measured {runs} steps/s" if runs else ""
         lines.append(f"- **{program}**: {eager.get('description', '')} (features: {feats}; "
-                     f"{eager.get('steps_per_rep', '?')} steps per repetition)")
+                     f"{eager.get('steps_per_rep', '?')} steps per repetition{measured})")
     return lines
 
 
@@ -291,6 +317,11 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "## Compiler statistics",
         "",
+        "Frames: frame conversions Dynamo ran (recompilations and resume functions included); "
+        "graphs: FX graphs it produced. A frame that produced no graph runs eagerly: Dynamo "
+        "falls back to eager for a whole function when it cannot resume after a graph break "
+        "(a data-dependent `if` inside a loop), and for a frame past the recompile limit.",
+        "",
         compiler_table(doc),
         "",
         "## Time breakdown (terra PythonRunner / GraphRunner)",
@@ -325,15 +356,16 @@ def plot_speedup(doc: dict[str, Any], path: Path) -> None:
     runners = [r for r in ordered_runners(doc) if r != "eager"]
     width = 0.8 / max(1, len(runners))
     fig, ax = plt.subplots(figsize=(max(10, 1.3 * len(programs)), 5.5))
-    colors = plt.get_cmap("tab10")
     from matplotlib.patches import Patch
 
+    palette = [plt.get_cmap("tab10")(i) for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)]  # no red: red = WRONG
     handles = []
     for k, runner in enumerate(runners):
+        color = palette[k % len(palette)]
         for j, program in enumerate(programs):
             x = j - 0.4 + width * (k + 0.5)
-            _bar(ax, doc, program, runner, x, width, colors(k))
-        handles.append(Patch(color=colors(k), label=runner))
+            _bar(ax, doc, program, runner, x, width, color)
+        handles.append(Patch(color=color, label=runner))
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_yscale("log")
     ax.set_ylim(0.01, 10)

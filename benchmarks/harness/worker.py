@@ -190,7 +190,9 @@ def _describe(exc: BaseException) -> dict[str, str]:
     frames = traceback.extract_tb(exc.__traceback__)
     ours = [f for f in frames if "benchmarks/programs" in f.filename] or \
         [f for f in frames if "benchmarks/harness" in f.filename]
-    where = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
+    where = ""
+    if ours:
+        where = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}"
     return {"type": type(exc).__name__, "message": message[:400], "where": where}
 
 

@@ -18,15 +18,16 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "two-path MLP (if x.mean() > 0) and `if loss > running avg: clip hard` in the loop"
 FEATURES = ("tensor-if-in-forward", "tensor-if-in-loop")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 400
+QUICK_STEPS_PER_REP = 100
 
 
 class TwoPathNet(nn.Module):
     def __init__(self, n_in: int = 16, width: int = 32, n_out: int = 4) -> None:
         super().__init__()
         self.inp = nn.Linear(n_in, width)
-        self.wide = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+        self.wide = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(),
+                                  nn.Linear(2 * width, width))
         self.narrow = nn.Linear(width, width)
         self.out = nn.Linear(width, n_out)
 

@@ -17,8 +17,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "2 x (Conv3x3 + BatchNorm + ReLU), pool, Linear; 8x3x16x16, SGD+momentum"
 FEATURES = ("conv", "batchnorm-buffers")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 160
+QUICK_STEPS_PER_REP = 40
 
 
 class SmallCNN(nn.Module):

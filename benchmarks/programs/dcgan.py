@@ -19,8 +19,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "DCGAN 16x16: ConvT generator, conv discriminator (BatchNorm), 2 x Adam"
 FEATURES = ("two-models", "two-optimizers", "shared-module-call-sites", "rng-in-loop")
-STEPS_PER_REP = 20
-QUICK_STEPS_PER_REP = 6
+STEPS_PER_REP = 48
+QUICK_STEPS_PER_REP = 12
 
 NZ = 16
 BATCH = 8

@@ -20,8 +20,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "4 experts; a generator yields the 2 to run each call (rotating); data generator"
 FEATURES = ("generator-routing", "generator-data", "python-counter")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 400
+QUICK_STEPS_PER_REP = 100
 
 
 class RoutedNet(nn.Module):
@@ -47,7 +47,10 @@ class RoutedNet(nn.Module):
         return self.head(h)
 
 
-def stream(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def stream(batches: list[Batch]) -> Iterator[Batch]:
     """An endless data stream, like a DataLoader iterated epoch after epoch."""
     while True:
         for batch in batches:
@@ -59,7 +62,7 @@ class State:
     net: RoutedNet
     model: nn.Module
     opt: torch.optim.Optimizer
-    data: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    data: Iterator[Batch]
 
 
 def build(seed: int, rt: Runtime) -> State:

@@ -20,8 +20,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "GPT-2-style, 2 layers, 2 heads, d=32, context 16, vocab 64, tied head, AdamW"
 FEATURES = ("attention", "weight-tying", "adamw")
-STEPS_PER_REP = 20
-QUICK_STEPS_PER_REP = 6
+STEPS_PER_REP = 64
+QUICK_STEPS_PER_REP = 16
 
 VOCAB = 64
 CONTEXT = 16

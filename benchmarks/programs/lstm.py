@@ -19,8 +19,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "LSTMCell(8->32) unrolled in Python over 12 steps, Linear head, Adam"
 FEATURES = ("python-loop-over-time", "adam")
-STEPS_PER_REP = 30
-QUICK_STEPS_PER_REP = 8
+STEPS_PER_REP = 80
+QUICK_STEPS_PER_REP = 20
 
 
 class LSTMModel(nn.Module):

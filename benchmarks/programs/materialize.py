@@ -24,8 +24,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "MLP regressor; .item() in forward, numpy hard-example mining, numpy-set lr, print"
 FEATURES = ("item-in-forward", "numpy-feedback", "changing-python-scalar-lr", "print")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 240
+QUICK_STEPS_PER_REP = 60
 
 
 class ScaledMLP(nn.Module):

@@ -18,8 +18,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "8 x Linear(32) + ReLU, batch 16, SGD; overhead-bound"
 FEATURES = ("python-overhead",)
-STEPS_PER_REP = 100
-QUICK_STEPS_PER_REP = 25
+STEPS_PER_REP = 400
+QUICK_STEPS_PER_REP = 100
 
 
 class MLP(nn.Module):

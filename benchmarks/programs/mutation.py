@@ -20,8 +20,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "MLP whose forward mutates a counter, a float attribute and a list; EMA weights"
 FEATURES = ("attribute-mutation", "list-append", "changing-python-scalar", "ema-references")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 400
+QUICK_STEPS_PER_REP = 100
 
 
 class TrackedMLP(nn.Module):

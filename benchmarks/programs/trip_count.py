@@ -17,10 +17,11 @@ from torch import nn
 from benchmarks.harness.runtime import Runtime
 from benchmarks.programs._common import data_generator, param_digest
 
-DESCRIPTION = "fixed-point refinement until converged (<=8) in forward; repeat step while loss > running avg (<=3)"
+DESCRIPTION = ("fixed-point refinement until converged (<=8) in forward; "
+               "repeat the step while loss > running avg (<=3)")
 FEATURES = ("while-tensor-cond-in-forward", "value-dependent-inner-steps")
-STEPS_PER_REP = 30
-QUICK_STEPS_PER_REP = 8
+STEPS_PER_REP = 160
+QUICK_STEPS_PER_REP = 40
 
 
 class RefineNet(nn.Module):

@@ -20,8 +20,8 @@ from benchmarks.programs._common import data_generator, param_digest
 
 DESCRIPTION = "bag-of-embeddings classifier; IndexError on corrupt ids caught, retried clamped"
 FEATURES = ("try-except", "exception-from-kernel", "python-counter")
-STEPS_PER_REP = 40
-QUICK_STEPS_PER_REP = 10
+STEPS_PER_REP = 400
+QUICK_STEPS_PER_REP = 100
 
 VOCAB = 100
 

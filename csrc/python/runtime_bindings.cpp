@@ -1,0 +1,337 @@
+// Python bindings of the co-execution runtime's building blocks (csrc/runtime): the _C.runtime
+// submodule with Channel (ConcurrentChannel), GraphRunner, and Plan, which turns recordings into
+// a graph plus what each recorded iteration must post and will fetch, so that a Python thread
+// can drive the GraphRunner the way the PythonRunner will.
+//
+// GIL rules: every call that can block releases the GIL, and waits run in short slices so that
+// Ctrl-C (PyErr_CheckSignals) and timeouts work. Teardown of a GraphRunner joins its worker with
+// the GIL released; at interpreter exit an atexit hook shuts down every live runner while the
+// interpreter can still hand the GIL to the worker, and a runner destroyed later (during
+// finalization) is abandoned (worker detached) instead of joined.
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "capture/region.h"
+#include "emit/captured_program.h"
+#include "emit/graph_emitter.h"
+#include "python/bindings.h"
+#include "runtime/channels.h"
+#include "runtime/executor.h"
+#include "runtime/graph_runner.h"
+#include "trace/case_assignment.h"
+#include "trace/replay.h"
+
+namespace py = pybind11;
+
+namespace terra::python {
+
+namespace {
+
+using capture::Region;
+using runtime::ConcurrentChannel;
+using runtime::GraphRunner;
+using Clock = std::chrono::steady_clock;
+
+// ---- waiting from Python ----------------------------------------------------------------------
+
+constexpr std::chrono::milliseconds kWaitSlice{50};
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+[[noreturn]] void raise_timeout(const std::string& what) {
+  PyErr_SetString(PyExc_TimeoutError, ("terra_torch: timed out waiting for " + what).c_str());
+  throw py::error_already_set();
+}
+
+// Calls `attempt(max_wait) -> bool` with the GIL released, in slices, until it returns true;
+// between slices it lets Python handle signals. Raises TimeoutError after `timeout` seconds.
+template <class Attempt>
+void wait_in_slices(std::optional<double> timeout, const std::string& what, Attempt attempt) {
+  const auto deadline =
+      timeout ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
+              : Clock::time_point::max();
+  while (true) {
+    std::chrono::nanoseconds slice = kWaitSlice;
+    if (timeout) slice = std::clamp<std::chrono::nanoseconds>(deadline - Clock::now(), std::chrono::nanoseconds(0), slice);
+    bool done = false;
+    {
+      py::gil_scoped_release no_gil;
+      done = attempt(slice);
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (timeout && Clock::now() >= deadline) raise_timeout(what);
+  }
+}
+
+// ---- Plan -------------------------------------------------------------------------------------
+
+// The graph of a set of recordings and, per recording, the script of one iteration: the
+// decisions, the feeds (slot, tensor or None) and the fetches (slot, tag) in record order. It
+// builds the graph the same way _C.emit.Graph does (same passes, so the same slots); the
+// PythonRunner will derive the same three streams from the Cursor as the program runs.
+class Plan {
+ public:
+  Plan(std::vector<std::shared_ptr<Region>> regions, bool optimize) : regions_(std::move(regions)) {
+    for (const auto& r : regions_) {
+      TORCH_CHECK(r != nullptr && !r->is_open(), "terra_torch: Plan needs closed capture regions");
+      program_.add(r->trace());
+    }
+    structured_ = trace::assign_cases(program_.graph());
+    emitted_ = emit::emit_graph(program_, structured_, {.optimize = optimize});
+  }
+
+  const std::shared_ptr<torch::jit::Graph>& graph() const { return emitted_.graph; }
+  std::string text() const { return emitted_.graph->toString(); }
+  size_t num_traces() const { return regions_.size(); }
+
+  py::list feeds() const {
+    py::list out;
+    for (const auto& f : emitted_.feeds) out.append(py::make_tuple(f.node, f.input, f.optional));
+    return out;
+  }
+  py::list fetches() const {
+    py::list out;
+    for (const auto& f : emitted_.fetches) out.append(py::make_tuple(f.node, f.input, f.tag));
+    return out;
+  }
+  py::list sites() const {
+    py::list out;
+    for (const auto& s : structured_.sites) out.append(s.kind == trace::SiteKind::kCaseSelect ? "case" : "loop");
+    return out;
+  }
+
+  py::tuple script(uint32_t index, std::optional<std::vector<at::Tensor>> externals) const {
+    TORCH_CHECK(index < regions_.size(), "terra_torch: Plan has no recording ", index);
+    const Region& region = *regions_[index];
+    const capture::Trace& captured = region.trace();
+    const std::vector<at::Tensor> ext = externals ? std::move(*externals) : emit::external_tensors(region);
+    TORCH_CHECK(ext.size() == captured.externals.size(), "terra_torch: recording ", index, " read ",
+                captured.externals.size(), " external tensors, got ", ext.size());
+
+    std::vector<trace::Decision> ds;
+    TORCH_CHECK(trace::decisions_for(structured_, program_.trace(index), ds),
+                "terra_torch: the generated program does not accept trace ", index);
+    py::list decisions;
+    for (const auto& d : ds) decisions.append(py::make_tuple(d.site, d.value));
+
+    // Slot numbering skips None inputs, as the translation and the emitter do.
+    py::list feeds, fetches;
+    const auto& nodes = program_.record_nodes(index);
+    for (size_t i = 0; i < captured.ops.size(); ++i) {
+      const capture::OpRecord& rec = captured.ops[i];
+      const bool read = emit::is_read_op(rec.op.schema());
+      uint32_t s = 0;
+      for (const capture::OpInput& input : rec.inputs) {
+        if (emit::is_none_input(captured, input)) continue;
+        const uint32_t slot_input = s++;
+        if (read) {
+          const int64_t slot = emitted_.fetch_slot(nodes[i], slot_input);
+          TORCH_CHECK(slot >= 0, "terra_torch: record ", i, " is a read without a fetch slot");
+          fetches.append(py::make_tuple(slot, emitted_.fetches[slot].tag));
+        }
+        const int64_t slot = emitted_.feed_slot(nodes[i], slot_input);
+        if (slot < 0) {
+          TORCH_CHECK(!input.value.is_external(), "terra_torch: record ", i, " reads an external tensor at input ",
+                      slot_input, " but the graph has no feed there");
+          continue;
+        }
+        if (input.value.is_external())
+          feeds.append(py::make_tuple(slot, ext.at(input.value.external)));
+        else
+          feeds.append(py::make_tuple(slot, py::none()));
+      }
+    }
+    return py::make_tuple(decisions, feeds, fetches);
+  }
+
+ private:
+  std::vector<std::shared_ptr<Region>> regions_;  // own the traces and their external tensors
+  emit::CapturedProgram program_;
+  trace::Program structured_;
+  emit::EmittedGraph emitted_;
+};
+
+// ---- GraphRunner ------------------------------------------------------------------------------
+
+// Live runners, for the atexit hook, keyed by their Python wrapper. Weak: the hook must not keep
+// a runner alive, and holds a strong reference only while it shuts one down (with the GIL
+// released, another thread may drop the wrapper meanwhile). Touched only with the GIL held.
+std::unordered_map<const void*, std::weak_ptr<GraphRunner>>& live_runners() {
+  static auto* runners = new std::unordered_map<const void*, std::weak_ptr<GraphRunner>>();  // leaked: used at exit
+  return *runners;
+}
+
+runtime::TorchScriptMode parse_mode(const std::string& mode) {
+  TORCH_CHECK(mode == "interpreter" || mode == "graph_executor",
+              "terra_torch: executor mode must be 'interpreter' or 'graph_executor', got '", mode, "'");
+  return mode == "interpreter" ? runtime::TorchScriptMode::kInterpreter : runtime::TorchScriptMode::kGraphExecutor;
+}
+
+class PyGraphRunner {
+ public:
+  PyGraphRunner(const std::shared_ptr<torch::jit::Graph>& graph, std::shared_ptr<ConcurrentChannel> channel,
+                const std::string& mode) {
+    TORCH_CHECK(graph != nullptr, "terra_torch: GraphRunner needs a graph");
+    if (!channel) channel = std::make_shared<ConcurrentChannel>();
+    runner_ = std::make_shared<GraphRunner>(std::make_unique<runtime::TorchScriptExecutor>(graph, parse_mode(mode)),
+                                            std::move(channel));
+    live_runners().emplace(this, runner_);
+  }
+
+  ~PyGraphRunner() {
+    live_runners().erase(this);
+    if (interpreter_finalizing()) {
+      runner_->abandon();  // joining could wait forever for a worker that needs the GIL
+    } else if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      runner_.reset();  // joins (unless the atexit hook holds it: then it joins there)
+    }
+    runner_.reset();
+  }
+
+  GraphRunner& get() { return *runner_; }
+
+  void shutdown() {
+    py::gil_scoped_release no_gil;
+    runner_->shutdown();
+  }
+
+  void wait_iteration(std::optional<double> timeout) {
+    wait_in_slices(timeout, "a graph iteration", [&](std::chrono::nanoseconds d) { return runner_->wait_iteration(d); });
+  }
+  void synchronize(std::optional<double> timeout) {
+    wait_in_slices(timeout, "the graph iterations", [&](std::chrono::nanoseconds d) { return runner_->synchronize(d); });
+  }
+
+  py::dict stats() const {
+    const runtime::RunnerStats r = runner_->stats();
+    const runtime::ChannelStats c = runner_->channel()->stats();
+    py::dict d;
+    d["iterations_started"] = r.iterations_started;
+    d["iterations_run"] = r.iterations_run;
+    d["iterations_failed"] = r.iterations_failed;
+    d["exec_ns"] = r.exec_ns;
+    d["python_wait_ns"] = r.python_wait_ns;
+    d["graph_stall_ns"] = c.graph_stall_ns;
+    d["python_stall_ns"] = c.python_stall_ns;
+    return d;
+  }
+
+ private:
+  std::shared_ptr<GraphRunner> runner_;
+};
+
+void shutdown_all_runners() {
+  std::vector<std::shared_ptr<GraphRunner>> runners;
+  for (const auto& [wrapper, weak] : live_runners())
+    if (auto r = weak.lock()) runners.push_back(std::move(r));
+  py::gil_scoped_release no_gil;
+  for (const auto& r : runners) r->shutdown();
+}
+
+py::dict channel_stats(const ConcurrentChannel& c) {
+  const runtime::ChannelStats s = c.stats();
+  py::dict d;
+  d["graph_stall_ns"] = s.graph_stall_ns;
+  d["python_stall_ns"] = s.python_stall_ns;
+  d["decisions"] = s.decisions;
+  d["feeds"] = s.feeds;
+  d["fetches"] = s.fetches;
+  return d;
+}
+
+py::object graph_waiting_for(const ConcurrentChannel& c) {
+  const auto w = c.graph_waiting_for();
+  if (!w) return py::none();
+  return py::make_tuple(w->kind == runtime::GraphWait::Kind::kDecision ? "decision" : "feed", w->id);
+}
+
+at::Tensor wait_fetch(ConcurrentChannel& c, int64_t slot, std::optional<double> timeout) {
+  std::optional<at::Tensor> value;
+  wait_in_slices(timeout, "fetch slot " + std::to_string(slot), [&](std::chrono::nanoseconds d) {
+    value = c.wait_fetch(slot, d);
+    return value.has_value();
+  });
+  return std::move(*value);
+}
+
+}  // namespace
+
+void init_runtime(py::module_& m) {
+  py::module_ r = m.def_submodule("runtime", "Co-execution runtime: channel and GraphRunner");
+
+  py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
+      .def(py::init<>())
+      .def("post_decision", &ConcurrentChannel::post_decision, py::arg("site"), py::arg("value"))
+      .def("post_case", &ConcurrentChannel::post_case, py::arg("site"), py::arg("index"))
+      .def("post_loop", &ConcurrentChannel::post_loop, py::arg("site"), py::arg("again"))
+      .def(
+          "post_feed",
+          [](ConcurrentChannel& c, int64_t slot, std::optional<at::Tensor> t) {
+            c.post_feed(slot, t ? std::move(*t) : at::Tensor());
+          },
+          py::arg("slot"), py::arg("tensor"), "None: the graph uses its own value (feed_or_none slots)")
+      .def("wait_fetch", &wait_fetch, py::arg("slot"), py::arg("timeout") = py::none(),
+           "The next value the graph publishes at `slot` (FIFO); TimeoutError after `timeout` s")
+      .def("cancel", &ConcurrentChannel::cancel, py::arg("reason"))
+      .def_property_readonly("cancelled", &ConcurrentChannel::cancelled)
+      .def_property_readonly("cancel_reason", &ConcurrentChannel::cancel_reason)
+      .def("reset", &ConcurrentChannel::reset, "Drop queued values and the cancel (no graph may be running)")
+      .def("leftovers", &ConcurrentChannel::leftovers, "'' if nothing is queued in either direction")
+      .def("graph_waiting_for", &graph_waiting_for, "None, or ('decision', site) / ('feed', slot)")
+      .def_property_readonly("stats", &channel_stats);
+
+  py::class_<Plan>(r, "Plan")
+      .def(py::init<std::vector<std::shared_ptr<Region>>, bool>(), py::arg("regions"), py::arg("optimize") = true)
+      .def_property_readonly("graph", &Plan::graph, "the generated torch._C.Graph")
+      .def_property_readonly("text", &Plan::text)
+      .def_property_readonly("num_traces", &Plan::num_traces)
+      .def_property_readonly("feeds", &Plan::feeds, "[(node, input, optional)] per feed slot")
+      .def_property_readonly("fetches", &Plan::fetches, "[(node, input, tag)] per fetch slot")
+      .def_property_readonly("sites", &Plan::sites, "'case' or 'loop' per decision site")
+      .def("script", &Plan::script, py::arg("index"), py::arg("externals") = py::none(),
+           "(decisions [(site, value)], feeds [(slot, tensor|None)], fetches [(slot, tag)]) of a recording");
+
+  py::class_<PyGraphRunner>(r, "GraphRunner")
+      .def(py::init([](const Plan& plan, std::shared_ptr<ConcurrentChannel> channel, const std::string& mode) {
+             return std::make_unique<PyGraphRunner>(plan.graph(), std::move(channel), mode);
+           }),
+           py::arg("plan"), py::arg("channel") = py::none(), py::arg("mode") = "interpreter")
+      .def(py::init([](const std::shared_ptr<torch::jit::Graph>& graph, std::shared_ptr<ConcurrentChannel> channel,
+                       const std::string& mode) { return std::make_unique<PyGraphRunner>(graph, std::move(channel), mode); }),
+           py::arg("graph"), py::arg("channel") = py::none(), py::arg("mode") = "interpreter")
+      .def_property_readonly("channel", [](PyGraphRunner& g) { return g.get().channel(); })
+      .def("start_iteration", [](PyGraphRunner& g) { return g.get().start_iteration(); })
+      .def("wait_iteration", &PyGraphRunner::wait_iteration, py::arg("timeout") = py::none(),
+           "Wait for the oldest unwaited iteration; re-raise its error")
+      .def("synchronize", &PyGraphRunner::synchronize, py::arg("timeout") = py::none(),
+           "Wait for every started iteration; re-raise the first error")
+      .def("cancel", [](PyGraphRunner& g, const std::string& reason) { g.get().cancel(reason); }, py::arg("reason"))
+      .def("reset", [](PyGraphRunner& g) { g.get().reset(); })
+      .def("shutdown", &PyGraphRunner::shutdown)
+      .def_property_readonly("is_shut_down", [](PyGraphRunner& g) { return g.get().is_shut_down(); })
+      .def_property_readonly("in_flight", [](PyGraphRunner& g) { return g.get().in_flight(); })
+      .def_property_readonly("stats", &PyGraphRunner::stats)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyGraphRunner& g, py::args) { g.shutdown(); });
+
+  r.def("_shutdown_all", &shutdown_all_runners, "Shut down every live GraphRunner (atexit hook)");
+  // atexit hooks run before finalization starts, while a worker can still take the GIL to free a
+  // tensor; they run in reverse order of registration, so before torch's own.
+  py::module_::import("atexit").attr("register")(r.attr("_shutdown_all"));
+}
+
+}  // namespace terra::python

@@ -1,0 +1,194 @@
+// ConcurrentChannel: one mutex, one condition variable per direction.
+//
+// The graph thread never holds mu_ while it could need the GIL (dropping the last reference to a
+// tensor whose Python object C++ kept alive takes the GIL): it moves tensors out of the queues
+// and lets them die after unlocking. Python holds the GIL while posting, which is fine because
+// the graph thread holds mu_ only for queue operations.
+#include "runtime/channels.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+
+#include "trace/program.h"
+
+namespace terra::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+// A deadline that does not overflow for "wait forever" (nanoseconds::max()).
+Clock::time_point deadline_after(std::chrono::nanoseconds max_wait) {
+  constexpr auto kCap = std::chrono::hours(24 * 365);
+  return Clock::now() + std::min<std::chrono::nanoseconds>(max_wait, kCap);
+}
+
+}  // namespace
+
+void ConcurrentChannel::throw_cancelled(const char* side) const {
+  throw ChannelCancelled(std::string("terra_torch: channel cancelled (") + reason_ + ") while the " + side +
+                         " was waiting; reset the runner before the next iteration");
+}
+
+// ---- graph side -------------------------------------------------------------------------------
+
+int64_t ConcurrentChannel::take_decision(int64_t site) {
+  std::unique_lock lock(mu_);
+  if (cancelled_) throw_cancelled("graph");
+  auto& q = decisions_[site];
+  if (q.empty()) {
+    const auto t0 = Clock::now();
+    graph_waiting_ = GraphWait{GraphWait::Kind::kDecision, site};
+    graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
+    graph_waiting_.reset();
+    stats_.graph_stall_ns += ns_since(t0);
+    if (cancelled_) throw_cancelled("graph");
+  }
+  const int64_t v = q.front();
+  q.pop_front();
+  ++stats_.decisions;
+  return v;
+}
+
+int64_t ConcurrentChannel::case_select(int64_t site) { return take_decision(site); }
+
+bool ConcurrentChannel::loop_cond(int64_t site) {
+  return take_decision(site) == static_cast<int64_t>(trace::kLoopContinue);
+}
+
+at::Tensor ConcurrentChannel::feed(int64_t slot) {
+  std::unique_lock lock(mu_);
+  if (cancelled_) throw_cancelled("graph");
+  auto& q = feeds_[slot];
+  if (q.empty()) {
+    const auto t0 = Clock::now();
+    graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
+    graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
+    graph_waiting_.reset();
+    stats_.graph_stall_ns += ns_since(t0);
+    if (cancelled_) throw_cancelled("graph");
+  }
+  at::Tensor t = std::move(q.front());
+  q.pop_front();
+  ++stats_.feeds;
+  return t;
+}
+
+void ConcurrentChannel::fetch(int64_t slot, const at::Tensor& value) {
+  at::Tensor copy = value.clone();  // outside the lock: it can be a large copy
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("graph");
+    fetched_[slot].push_back(std::move(copy));
+    ++stats_.fetches;
+  }
+  python_cv_.notify_all();
+}
+
+// ---- Python side ------------------------------------------------------------------------------
+
+void ConcurrentChannel::post_decision(int64_t site, int64_t value) {
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("Python side");
+    decisions_[site].push_back(value);
+  }
+  graph_cv_.notify_all();
+}
+
+void ConcurrentChannel::post_loop(int64_t site, bool again) {
+  post_decision(site, again ? trace::kLoopContinue : trace::kLoopExit);
+}
+
+void ConcurrentChannel::post_feed(int64_t slot, at::Tensor value) {
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("Python side");
+    feeds_[slot].push_back(std::move(value));
+  }
+  graph_cv_.notify_all();
+}
+
+std::optional<at::Tensor> ConcurrentChannel::wait_fetch(int64_t slot, std::chrono::nanoseconds max_wait) {
+  std::unique_lock lock(mu_);
+  auto& q = fetched_[slot];
+  if (q.empty()) {
+    if (cancelled_) throw_cancelled("Python side");
+    const auto t0 = Clock::now();
+    python_cv_.wait_until(lock, deadline_after(max_wait), [&] { return cancelled_ || !q.empty(); });
+    stats_.python_stall_ns += ns_since(t0);
+    if (q.empty()) {
+      if (cancelled_) throw_cancelled("Python side");
+      return std::nullopt;
+    }
+  }
+  at::Tensor t = std::move(q.front());
+  q.pop_front();
+  return t;
+}
+
+// ---- both -------------------------------------------------------------------------------------
+
+void ConcurrentChannel::cancel(const std::string& reason) {
+  {
+    std::lock_guard lock(mu_);
+    if (!cancelled_) reason_ = reason;
+    cancelled_ = true;
+  }
+  graph_cv_.notify_all();
+  python_cv_.notify_all();
+}
+
+bool ConcurrentChannel::cancelled() const {
+  std::lock_guard lock(mu_);
+  return cancelled_;
+}
+
+std::string ConcurrentChannel::cancel_reason() const {
+  std::lock_guard lock(mu_);
+  return reason_;
+}
+
+void ConcurrentChannel::reset() {
+  // Swapped out under the lock, destroyed after it: the caller (Python, GIL held) may free
+  // tensors whose Python objects C++ kept alive, and that must not happen under mu_.
+  std::unordered_map<int64_t, std::deque<int64_t>> decisions;
+  std::unordered_map<int64_t, std::deque<at::Tensor>> feeds, fetched;
+  {
+    std::lock_guard lock(mu_);
+    decisions.swap(decisions_);
+    feeds.swap(feeds_);
+    fetched.swap(fetched_);
+    cancelled_ = false;
+    reason_.clear();
+  }
+}
+
+std::string ConcurrentChannel::leftovers() const {
+  std::lock_guard lock(mu_);
+  std::string out;
+  for (const auto& [site, q] : decisions_)
+    if (!q.empty()) out += std::to_string(q.size()) + " decisions for site " + std::to_string(site) + "; ";
+  for (const auto& [slot, q] : feeds_)
+    if (!q.empty()) out += std::to_string(q.size()) + " feeds for slot " + std::to_string(slot) + "; ";
+  for (const auto& [slot, q] : fetched_)
+    if (!q.empty()) out += std::to_string(q.size()) + " unread fetches at slot " + std::to_string(slot) + "; ";
+  return out;
+}
+
+std::optional<GraphWait> ConcurrentChannel::graph_waiting_for() const {
+  std::lock_guard lock(mu_);
+  return graph_waiting_;
+}
+
+ChannelStats ConcurrentChannel::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+}  // namespace terra::runtime

@@ -1,0 +1,99 @@
+// The channel between the Python thread and the GraphRunner thread during co-execution (BRIEF,
+// "Co-execution phase"): the scripted channel replays a finished recording, this one is fed
+// while the graph runs. The graph side blocks in case_select / loop_cond / feed until Python has
+// posted the value; Python blocks in wait_fetch until the graph has published one. Each site and
+// slot is its own FIFO: a site inside a loop decides once per iteration, a slot inside a loop
+// feeds or fetches once per iteration, and Python may post ahead (even for the next graph
+// iteration) because consumption order per site/slot is program order.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "emit/channel.h"
+
+namespace terra::runtime {
+
+// Thrown on both sides once the channel is cancelled. On the graph side it unwinds the running
+// graph out of whatever channel op it was in (the interpreter rethrows it as a runtime_error,
+// which is why the GraphRunner asks the channel, not the exception type, whether it was a cancel).
+class ChannelCancelled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ChannelStats {
+  int64_t graph_stall_ns = 0;   // graph thread blocked waiting for a decision or a feed
+  int64_t python_stall_ns = 0;  // Python blocked in wait_fetch
+  int64_t decisions = 0;        // consumed by the graph
+  int64_t feeds = 0;            // consumed by the graph
+  int64_t fetches = 0;          // published by the graph
+};
+
+// What the graph thread is blocked on right now (for tests and diagnostics).
+struct GraphWait {
+  enum class Kind { kDecision, kFeed } kind;
+  int64_t id;  // site or slot
+};
+
+class ConcurrentChannel final : public emit::ChannelSource {
+ public:
+  // ---- graph side (the terra:: ops call these on the GraphRunner thread) ----
+  int64_t case_select(int64_t site) override;
+  bool loop_cond(int64_t site) override;
+  at::Tensor feed(int64_t slot) override;
+  // Publishes a copy: the graph may update the tensor in place after Python asked for it, and
+  // Python must see the value at the point of the read (ScriptedChannel does the same).
+  void fetch(int64_t slot, const at::Tensor& value) override;
+
+  // ---- Python side (never blocks except wait_fetch) ----
+  // Case index at a case-select site, or kLoopContinue / kLoopExit at a loop-cond site: sites
+  // share one numbering (trace::Program::sites), so one queue per site serves both.
+  void post_decision(int64_t site, int64_t value);
+  void post_case(int64_t site, int64_t index) { post_decision(site, index); }
+  void post_loop(int64_t site, bool again);
+  // An undefined tensor means "none" (a feed_or_none slot that takes the graph's own value).
+  void post_feed(int64_t slot, at::Tensor value);
+  // The next value published at `slot`, waiting at most `max_wait`; nullopt on timeout. Values
+  // published before a cancel stay readable; once the queue is empty a cancel throws.
+  std::optional<at::Tensor> wait_fetch(int64_t slot, std::chrono::nanoseconds max_wait);
+
+  // ---- both ----
+  // Wakes every waiter; every later channel op on the graph side and every wait that would
+  // block on the Python side throws ChannelCancelled, until reset(). The first reason is kept.
+  void cancel(const std::string& reason);
+  bool cancelled() const;
+  std::string cancel_reason() const;
+  // Drops every queued decision, feed and fetched value and clears the cancel. Only meaningful
+  // while no graph runs on this channel (GraphRunner::reset checks that).
+  void reset();
+  // Empty if nothing is queued in either direction, else a description (tests check that an
+  // iteration consumed exactly what was posted and Python read every fetch).
+  std::string leftovers() const;
+  std::optional<GraphWait> graph_waiting_for() const;
+  ChannelStats stats() const;
+
+ private:
+  int64_t take_decision(int64_t site);
+  [[noreturn]] void throw_cancelled(const char* side) const;  // mu_ held
+
+  mutable std::mutex mu_;
+  std::condition_variable graph_cv_;   // the graph thread waits here for posts
+  std::condition_variable python_cv_;  // Python waits here for fetches
+  std::unordered_map<int64_t, std::deque<int64_t>> decisions_;
+  std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
+  std::unordered_map<int64_t, std::deque<at::Tensor>> fetched_;
+  bool cancelled_ = false;
+  std::string reason_;
+  std::optional<GraphWait> graph_waiting_;
+  ChannelStats stats_;
+};
+
+}  // namespace terra::runtime

@@ -1,0 +1,231 @@
+// GraphRunner: the worker thread, its iteration queue and the outcomes Python waits for.
+#include "runtime/graph_runner.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <c10/util/thread_name.h>
+#include <cxxabi.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <typeinfo>
+
+#include "capture/terra_key.h"
+
+namespace terra::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+Clock::time_point deadline_after(std::chrono::nanoseconds max_wait) {
+  constexpr auto kCap = std::chrono::hours(24 * 365);  // "forever" without overflow
+  return Clock::now() + std::min<std::chrono::nanoseconds>(max_wait, kCap);
+}
+
+std::string iteration_name(int64_t it) { return "graph iteration " + std::to_string(it); }
+
+// The interpreter reports every failing op as a plain runtime_error ("The following operation
+// failed in the TorchScript interpreter..."); naming the iteration tells Python which one. Other
+// types (NotImplementedError, errors raised by the executor itself) pass unchanged, so that
+// Python still sees the matching exception class.
+std::exception_ptr with_iteration(std::exception_ptr error, int64_t it) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::runtime_error& e) {
+    if (typeid(e) == typeid(std::runtime_error))
+      return std::make_exception_ptr(std::runtime_error("terra_torch: " + iteration_name(it) + " failed: " + e.what()));
+  } catch (...) {
+  }
+  return error;
+}
+
+}  // namespace
+
+// Shared by the GraphRunner object and its worker, so that an abandoned (detached) worker
+// never touches freed memory.
+struct GraphRunner::State {
+  std::unique_ptr<Executor> executor;
+  std::shared_ptr<ConcurrentChannel> channel;
+
+  mutable std::mutex mu;
+  std::condition_variable work_cv;  // the worker waits for iterations or a stop
+  std::condition_variable done_cv;  // Python waits for finished iterations
+  int64_t started = 0;              // iterations enqueued; they run in this order
+  int64_t finished = 0;             // iterations with an outcome
+  int64_t waited = 0;               // outcomes consumed by wait_iteration / synchronize
+  std::deque<std::exception_ptr> outcomes;  // iterations waited..finished-1; null = success
+  bool stopping = false;
+  RunnerStats stats;
+
+  // One graph run on the worker thread; returns its error or null.
+  std::exception_ptr run_once(int64_t it) {
+    try {
+      // The worker was created without terra's key; a graph run that got intercepted would be
+      // recorded as a trace instead of computing, so refuse rather than guess.
+      const auto tls = c10::impl::tls_local_dispatch_key_set();
+      TORCH_CHECK(!tls.included_.has_backend(capture::kTerraBackendBit),
+                  "terra_torch: the GraphRunner thread has terra's interception key in its TLS");
+      c10::AutoGradMode no_grad(false);  // an op of the last run must not leave it on
+      emit::ChannelScope scope(channel.get());
+      executor->run({});
+      return nullptr;
+    } catch (const abi::__forced_unwind&) {
+      throw;  // thread cancellation (pthread_exit) must keep unwinding
+    } catch (...) {
+      // A cancel unwinds the graph from a channel op with ChannelCancelled, but the TorchScript
+      // interpreter rethrows every op's exception as its own runtime_error: ask the channel.
+      if (channel->cancelled())
+        return std::make_exception_ptr(std::runtime_error("terra_torch: " + iteration_name(it) +
+                                                          " was cancelled: " + channel->cancel_reason()));
+      // Python may be blocked on a fetch that will now never come: wake it with the reason.
+      channel->cancel(iteration_name(it) + " failed");
+      return with_iteration(std::current_exception(), it);
+    }
+  }
+};
+
+GraphRunner::GraphRunner(std::unique_ptr<Executor> executor, std::shared_ptr<ConcurrentChannel> channel)
+    : channel_(std::move(channel)), state_(std::make_shared<State>()) {
+  TORCH_CHECK(executor != nullptr && channel_ != nullptr, "terra_torch: GraphRunner needs an executor and a channel");
+  state_->executor = std::move(executor);
+  state_->channel = channel_;
+  thread_ = std::thread(&GraphRunner::worker_main, state_);
+}
+
+GraphRunner::~GraphRunner() { stop(/*join=*/true); }
+
+void GraphRunner::worker_main(std::shared_ptr<State> s) {
+  c10::setThreadName("terra_graph");
+  // A new thread starts with default TLS (grad mode on); the graph holds its backward ops
+  // explicitly and updates leaves in place, so it runs without autograd.
+  c10::GradMode::set_enabled(false);
+  std::unique_lock lock(s->mu);
+  while (true) {
+    s->work_cv.wait(lock, [&] { return s->stopping || s->finished < s->started; });
+    if (s->stopping) {
+      for (int64_t it = s->finished; it < s->started; ++it) {
+        s->outcomes.push_back(std::make_exception_ptr(
+            std::runtime_error("terra_torch: " + iteration_name(it) + " did not run: the GraphRunner was shut down")));
+        ++s->stats.iterations_failed;
+      }
+      s->finished = s->started;
+      s->done_cv.notify_all();
+      return;
+    }
+    const int64_t it = s->finished;
+    lock.unlock();
+    const auto t0 = Clock::now();
+    std::exception_ptr error = s->run_once(it);
+    const int64_t dt = ns_since(t0);
+    lock.lock();
+    s->stats.exec_ns += dt;
+    ++(error ? s->stats.iterations_failed : s->stats.iterations_run);
+    s->outcomes.push_back(std::move(error));
+    ++s->finished;
+    s->done_cv.notify_all();
+  }
+}
+
+int64_t GraphRunner::start_iteration() {
+  int64_t it = 0;
+  {
+    std::lock_guard lock(state_->mu);
+    if (state_->stopping) throw std::logic_error("terra_torch: start_iteration() after the GraphRunner was shut down");
+    it = state_->started++;
+    ++state_->stats.iterations_started;
+  }
+  state_->work_cv.notify_all();
+  return it;
+}
+
+bool GraphRunner::wait_iteration(std::chrono::nanoseconds max_wait) {
+  State& s = *state_;
+  std::exception_ptr error;
+  {
+    std::unique_lock lock(s.mu);
+    if (s.waited >= s.started) throw std::logic_error("terra_torch: wait_iteration() with no iteration started");
+    const auto t0 = Clock::now();
+    const bool done = s.done_cv.wait_until(lock, deadline_after(max_wait), [&] { return s.finished > s.waited; });
+    s.stats.python_wait_ns += ns_since(t0);
+    if (!done) return false;
+    error = std::move(s.outcomes.front());
+    s.outcomes.pop_front();
+    ++s.waited;
+  }
+  if (error) std::rethrow_exception(error);
+  return true;
+}
+
+bool GraphRunner::synchronize(std::chrono::nanoseconds max_wait) {
+  State& s = *state_;
+  std::exception_ptr first;
+  {
+    std::unique_lock lock(s.mu);
+    const auto t0 = Clock::now();
+    const bool done = s.done_cv.wait_until(lock, deadline_after(max_wait), [&] { return s.finished == s.started; });
+    s.stats.python_wait_ns += ns_since(t0);
+    if (!done) return false;
+    for (auto& e : s.outcomes)
+      if (e && !first) first = e;
+    s.outcomes.clear();
+    s.waited = s.finished;
+  }
+  if (first) std::rethrow_exception(first);
+  return true;
+}
+
+void GraphRunner::reset() {
+  std::lock_guard lock(state_->mu);  // held across the channel reset: no iteration can start
+  const int64_t busy = state_->started - state_->finished;
+  if (busy > 0)
+    throw std::logic_error("terra_torch: reset() with " + std::to_string(busy) +
+                           " iteration(s) in flight; wait for them first");
+  channel_->reset();
+}
+
+void GraphRunner::shutdown() { stop(/*join=*/true); }
+void GraphRunner::abandon() { stop(/*join=*/false); }
+
+void GraphRunner::stop(bool join) {
+  std::lock_guard stop_lock(stop_mu_);  // two Python threads may shut down at once
+  bool busy = false;
+  {
+    std::lock_guard lock(state_->mu);
+    state_->stopping = true;
+    busy = state_->finished < state_->started;
+  }
+  state_->work_cv.notify_all();
+  // Only when something runs: an idle runner leaves its channel as it was.
+  if (busy) channel_->cancel("the GraphRunner was shut down");
+  if (!thread_.joinable()) return;
+  if (join)
+    thread_.join();
+  else
+    thread_.detach();
+}
+
+bool GraphRunner::is_shut_down() const {
+  std::lock_guard lock(state_->mu);
+  return state_->stopping;
+}
+
+int64_t GraphRunner::in_flight() const {
+  std::lock_guard lock(state_->mu);
+  return state_->started - state_->finished;
+}
+
+RunnerStats GraphRunner::stats() const {
+  std::lock_guard lock(state_->mu);
+  return state_->stats;
+}
+
+}  // namespace terra::runtime
