@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <memory>
@@ -69,19 +70,10 @@ class Region {
   Trace trace_;
   std::unordered_map<const c10::TensorImpl*, Produced> produced_;
   // The same value can come back as another TensorImpl over the same storage: autograd unpacks
-  // the outputs it saved for backward into fresh tensors. Matched by storage and metadata.
-  struct StorageAlias {
-    int64_t storage_offset;
-    c10::SmallVector<int64_t, 6> sizes, strides;
-    c10::ScalarType dtype;
-    ValueRef ref;
-  };
-  struct StorageEntry {
-    explicit StorageEntry(c10::weak_intrusive_ptr<c10::StorageImpl> s) : storage(std::move(s)) {}
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // pins the address
-    std::vector<StorageAlias> aliases;
-  };
-  std::unordered_map<const c10::StorageImpl*, StorageEntry> produced_storage_;
+  // the outputs it saved for backward into fresh tensors. Storage -> the newest produced tensor
+  // over it (views included); an entry is valid while its tensor lives (then its storage, and
+  // the address, are alive too).
+  std::unordered_map<const c10::StorageImpl*, c10::SmallVector<const c10::TensorImpl*, 2>> produced_storage_;
   std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
   std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
   std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location

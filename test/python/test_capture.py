@@ -306,3 +306,15 @@ def test_bind_rejects_mismatched_values():
         _C.bind_placeholder(y, torch.zeros(4))
     with pytest.raises(RuntimeError, match="cannot bind"):
         _C.bind_placeholder(y, torch.zeros(3, dtype=torch.float64))
+
+
+def test_saved_outputs_unpacked_by_autograd_refer_to_their_producer():
+    # relu saves its result for backward; autograd unpacks it as a new tensor object, which
+    # must still be recognised as relu's output, not taken for an external input.
+    x = torch.randn(4, 3, requires_grad=True)
+    _, trace = debug.record(lambda: torch.relu(x * 2).sum().backward())
+    relu = next(op for op in trace.ops if op.name == "aten::relu")
+    tb = next(op for op in trace.ops if op.name == "aten::threshold_backward")
+    saved = next(i for i in tb.inputs if i.argument == 1)  # threshold_backward(grad, self, ...)
+    assert (saved.op, saved.output) == (relu.index, 0)
+    assert all(i.external is None for i in tb.inputs)
