@@ -97,14 +97,13 @@ ValueRef Region::reference(const at::Tensor& t) {
   auto it = produced_.find(impl);
   if (it != produced_.end()) return it->second.ref;
   if (t.has_storage()) {
-    auto aliases = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl());
-    if (aliases != produced_storage_.end()) {
-      for (auto same = aliases->second.rbegin(); same != aliases->second.rend(); ++same) {
-        const Produced& p = produced_.at(*same);
-        if (p.impl.use_count() > 0 && (*same)->storage_offset() == impl->storage_offset() &&
-            (*same)->dtype() == impl->dtype() && (*same)->sizes() == impl->sizes() &&
-            (*same)->strides() == impl->strides())
-          return p.ref;
+    auto entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl());
+    if (entry != produced_storage_.end()) {
+      // Newest first: after an in-place op the newest version is the one to read.
+      for (auto alias = entry->second.aliases.rbegin(); alias != entry->second.aliases.rend(); ++alias) {
+        if (alias->storage_offset == impl->storage_offset() && alias->dtype == impl->dtype() &&
+            c10::IntArrayRef(alias->sizes) == impl->sizes() && c10::IntArrayRef(alias->strides) == impl->strides())
+          return alias->ref;
       }
     }
   }
@@ -128,8 +127,14 @@ void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
   produced_.insert_or_assign(impl, Produced{c10::weak_intrusive_ptr<c10::TensorImpl>(
                                                 t.getIntrusivePtr()), ref});
   if (t.has_storage()) {
-    auto& aliases = produced_storage_[impl->unsafe_storage().unsafeGetStorageImpl()];
-    if (std::find(aliases.begin(), aliases.end(), impl) == aliases.end()) aliases.push_back(impl);
+    const c10::Storage& storage = impl->unsafe_storage();
+    auto entry = produced_storage_.find(storage.unsafeGetStorageImpl());
+    if (entry == produced_storage_.end())
+      entry = produced_storage_.emplace(storage.unsafeGetStorageImpl(), StorageEntry(storage.getWeakStorageImpl())).first;
+    entry->second.aliases.push_back({impl->storage_offset(),
+                                     c10::SmallVector<int64_t, 6>(impl->sizes().begin(), impl->sizes().end()),
+                                     c10::SmallVector<int64_t, 6>(impl->strides().begin(), impl->strides().end()),
+                                     impl->dtype(), ref});
   }
 }
 

@@ -70,10 +70,20 @@ class Region {
   Trace trace_;
   std::unordered_map<const c10::TensorImpl*, Produced> produced_;
   // The same value can come back as another TensorImpl over the same storage: autograd unpacks
-  // the outputs it saved for backward into fresh tensors. Storage -> the newest produced tensor
-  // over it (views included); an entry is valid while its tensor lives (then its storage, and
-  // the address, are alive too).
-  std::unordered_map<const c10::StorageImpl*, c10::SmallVector<const c10::TensorImpl*, 2>> produced_storage_;
+  // the outputs it saved for backward into fresh tensors, after the original tensor object may
+  // have died. Matched by storage (pinned, so its address stays unique) and metadata.
+  struct StorageAlias {
+    int64_t storage_offset;
+    c10::SmallVector<int64_t, 6> sizes, strides;
+    caffe2::TypeMeta dtype;
+    ValueRef ref;
+  };
+  struct StorageEntry {
+    explicit StorageEntry(c10::weak_intrusive_ptr<c10::StorageImpl> s) : storage(std::move(s)) {}
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    c10::SmallVector<StorageAlias, 2> aliases;
+  };
+  std::unordered_map<const c10::StorageImpl*, StorageEntry> produced_storage_;
   std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
   std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
   std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location
