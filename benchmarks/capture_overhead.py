@@ -1,6 +1,7 @@
 """Per-op cost of the capture layer (issue 3): a chain of 1,000 small ops (8x8 add / mul / relu)
-in eager mode, recording mode and placeholder mode. Median of several runs; per-op microseconds
-and the ratio to eager. Run: .venv/bin/python -m benchmarks.capture_overhead [--reps 7]
+in eager mode, recording mode and placeholder mode, and a whole training step (MLP, cross-entropy,
+Adam: forward, backward and optimizer ops) in eager and recording mode. Median of several runs;
+per-op microseconds and the ratio to eager. Run: .venv/bin/python -m benchmarks.capture_overhead
 """
 
 from __future__ import annotations
@@ -42,6 +43,44 @@ def make_region_runner(mode: str):
     return run
 
 
+def training_step_ms(captured: bool, reps: int) -> tuple[float, int]:
+    """Median ms per MLP+Adam step (region open around each step when captured), and ops/step."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def run(n: int) -> _C.Region | None:
+        region = None
+        for _ in range(n):
+            if captured:
+                region = _C.Region("record", sys._getframe(0))
+                region.open()
+                try:
+                    step()
+                finally:
+                    region.close()
+            else:
+                step()
+        return region
+
+    last = run(5)  # warm-up; Adam creates its state on the first step
+    ops = len(last.ops()) if last is not None else 0
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run(20)
+        samples.append((time.perf_counter() - start) / 20)
+    return statistics.median(samples) * 1e3, ops
+
+
 def time_per_op(fn, x, y, reps: int) -> float:
     fn(x, y)  # warm-up (fills the shape cache in placeholder mode)
     samples = []
@@ -69,6 +108,12 @@ def main() -> None:
     print(f"{'mode':<12} {'us/op':>8} {'x eager':>8}")
     for name, us in results.items():
         print(f"{name:<12} {us:8.2f} {us / results['eager']:8.2f}")
+    eager_ms, _ = training_step_ms(False, args.reps)
+    rec_ms, ops = training_step_ms(True, args.reps)
+    print(f"\nMLP + cross-entropy + Adam step ({ops} ops), median of {args.reps} x 20 steps")
+    print(f"{'mode':<12} {'ms/step':>8} {'x eager':>8}")
+    print(f"{'eager':<12} {eager_ms:8.3f} {1.0:8.2f}")
+    print(f"{'recording':<12} {rec_ms:8.3f} {rec_ms / eager_ms:8.2f}")
 
 
 if __name__ == "__main__":
