@@ -275,7 +275,20 @@ def test_no_interception_outside_regions():
     x = torch.randn(3)
     y = (x * 2).sum()
     assert not _C.is_placeholder(y)
-    assert terra_torch._C.shape_cache_size() >= 0
+    assert y.item() == (x * 2).sum().item()
+
+
+def test_shape_cache_makes_repeated_ops_a_lookup():
+    def fn(x):
+        return torch.sigmoid(x * 3).cumsum(0)
+
+    x = torch.randn(7, 5)
+    debug.record(fn, x, mode="placeholder")
+    filled = _C.shape_cache_size()
+    debug.record(fn, x, mode="placeholder")
+    assert _C.shape_cache_size() == filled  # same ops, same metadata: no new entry
+    debug.record(fn, torch.randn(9, 5), mode="placeholder")
+    assert _C.shape_cache_size() == filled + 3  # new shapes: mul, sigmoid, cumsum each once
 
 
 def test_bound_placeholder_becomes_an_ordinary_tensor_and_views_see_the_value():
