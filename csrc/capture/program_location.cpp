@@ -93,7 +93,7 @@ void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std:
   }
 }
 
-uint64_t LocationTracker::capture(std::vector<LoopFrame>* loops) {
+uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   // Walk innermost -> outermost, then reverse, so that locations read top-down.
   scratch_.clear();
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed

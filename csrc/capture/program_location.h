@@ -12,6 +12,8 @@
 
 #include <Python.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -40,7 +42,7 @@ class LocationTracker {
   LocationTracker& operator=(const LocationTracker&) = delete;
 
   // Location of the current Python stack; fills `loops` (outermost first). Needs the GIL.
-  uint64_t capture(std::vector<LoopFrame>* loops);
+  uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops);
 
   // An id for a location derived from another (backward ops: forward location + tag).
   // `label` names it in describe() (the autograd node's name).

@@ -89,7 +89,7 @@ class Region {
   std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location
   const void* last_backward_node_ = nullptr;
   uint64_t backward_index_ = 0;
-  std::vector<LoopFrame> last_loops_;
+  c10::SmallVector<LoopFrame, 2> last_loops_;
 };
 
 // The region ops are routed to, or nullptr.

@@ -50,13 +50,14 @@ struct ExternalInput {
 
 struct OpRecord {
   c10::OperatorHandle op;
-  std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
-  std::vector<int16_t> attribute_arguments;  // schema position of each attribute
+  // Inline capacities cover nearly every op, so that recording one allocates nothing.
+  c10::SmallVector<c10::IValue, 4> attributes;  // non-tensor arguments, in schema order
+  c10::SmallVector<int16_t, 4> attribute_arguments;  // schema position of each attribute
   uint64_t attributes_hash = 0;
-  std::vector<OpInput> inputs;
-  std::vector<TensorMeta> outputs;  // tensor outputs, lists flattened
+  c10::SmallVector<OpInput, 3> inputs;
+  c10::SmallVector<TensorMeta, 1> outputs;  // tensor outputs, lists flattened
   uint64_t location = 0;
-  std::vector<LoopFrame> loops;
+  c10::SmallVector<LoopFrame, 2> loops;
   bool backward = false;               // run by the autograd engine
   bool needs_materialization = false;  // data-dependent output: a placeholder cannot stand in
 };

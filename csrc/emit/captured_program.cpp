@@ -122,7 +122,7 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
     std::optional<OpInfo>& slot = infos_[merged.record_nodes[i]];
     if (slot) continue;
     const capture::OpRecord& rec = captured.ops[i];
-    OpInfo info{rec.op, rec.attributes, {}, static_cast<uint32_t>(rec.outputs.size())};
+    OpInfo info{rec.op, std::vector<c10::IValue>(rec.attributes.begin(), rec.attributes.end()), {}, static_cast<uint32_t>(rec.outputs.size())};
     info.tensor_args.reserve(rec.inputs.size());
     for (const capture::OpInput& input : rec.inputs)
       if (!is_none_input(captured, input)) info.tensor_args.push_back({input.argument, input.list_index});
