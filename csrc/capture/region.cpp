@@ -206,7 +206,6 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
 
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t nargs = op.schema().arguments().size();
-  OpRecord rec{op};
   // Forward ops need the GIL to read the Python stack (torch's bindings released it). Lock
   // order is always GIL -> mu_; backward ops on engine threads take no GIL at all.
   auto node = torch::autograd::get_current_node();
@@ -223,6 +222,9 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     ~Inside() { inside = false; }
   } inside_guard;
   std::lock_guard<std::mutex> lock(mu_);
+  // Built in place: a record is too large to move around cheaply.
+  const int32_t index = static_cast<int32_t>(trace_.ops.size());
+  OpRecord& rec = trace_.ops.emplace_back(OpRecord{op});
   rec.location = locate(rec, node.get(), has_python);
   if (has_python) PyGILState_Release(gil);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
@@ -231,11 +233,15 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
   // host bookkeeping: nothing of theirs can wait for a graph, so they always run.
   if (mode_ == Mode::Placeholder && !is_host_op(op)) {
-    run_placeholder(op, rec, args, stack);
+    run_placeholder(op, rec, index, args, stack);
     return;
   }
-  run_real(op, ks, stack);
-  const int32_t index = static_cast<int32_t>(trace_.ops.size());
+  try {
+    run_real(op, ks, stack);
+  } catch (...) {
+    trace_.ops.pop_back();  // the op raised in the user's program: it did not happen
+    throw;
+  }
   int32_t k = 0;
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
@@ -249,17 +255,14 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
       }
     }
   }
-  trace_.ops.push_back(std::move(rec));
 }
 
-void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
+void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
                              c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) {
   const size_t nargs = args.size();
   const InferredOutputs& inferred = infer_outputs(op, args);
-  const int32_t index = static_cast<int32_t>(trace_.ops.size());
   if (inferred.needs_materialization) {
-    rec.needs_materialization = true;
-    trace_.ops.push_back(std::move(rec));
+    rec.needs_materialization = true;  // kept in the trace: it is where the program needs data
     TORCH_CHECK(false, "terra_torch: cannot continue with placeholders: ", inferred.reason);
   }
   // Build the outputs while the arguments are still on the stack (outputs may be arguments).
@@ -293,7 +296,6 @@ void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec,
   }
   torch::jit::drop(*stack, nargs);
   for (c10::IValue& v : results) stack->push_back(std::move(v));
-  trace_.ops.push_back(std::move(rec));
 }
 
 }  // namespace terra::capture

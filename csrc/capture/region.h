@@ -59,8 +59,8 @@ class Region {
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   uint64_t locate(OpRecord& rec, torch::autograd::Node* node, bool has_python);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
-  void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, c10::ArrayRef<c10::IValue> args,
-                       torch::jit::Stack* stack);
+  void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
+                       c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
 
   Mode mode_;
   bool open_ = false;

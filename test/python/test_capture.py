@@ -331,3 +331,20 @@ def test_saved_outputs_unpacked_by_autograd_refer_to_their_producer():
     saved = next(i for i in tb.inputs if i.argument == 1)  # threshold_backward(grad, self, ...)
     assert (saved.op, saved.output) == (relu.index, 0)
     assert all(i.external is None for i in tb.inputs)
+
+
+def test_an_op_that_raises_leaves_no_record_and_the_error_reaches_the_user():
+    def fn(a, b):
+        try:
+            torch.mm(a, b)  # shapes do not fit: raises exactly as in eager
+        except RuntimeError as e:
+            message = str(e)
+        return a.sum(), message
+
+    a, b = torch.randn(2, 3), torch.randn(4, 5)
+    with pytest.raises(RuntimeError) as eager_error:
+        torch.mm(a, b)
+    (total, message), trace = debug.record(fn, a, b)
+    assert message == str(eager_error.value)
+    assert trace.names == ["aten::sum"]
+    assert torch.equal(total, a.sum())
