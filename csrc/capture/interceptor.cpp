@@ -17,9 +17,9 @@ namespace {
 bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
   for (auto it = stack.end() - nargs; it != stack.end(); ++it) {
     if (it->isTensor() && is_placeholder(it->toTensor())) return true;
-    if (it->isTensorList())
-      for (const at::Tensor& t : it->toTensorList().vec())
-        if (is_placeholder(t)) return true;
+    if (it->isTensorList() || it->isOptionalTensorList())
+      for (const c10::IValue& e : it->toListRef())
+        if (e.isTensor() && is_placeholder(e.toTensor())) return true;
   }
   return false;
 }
@@ -78,21 +78,19 @@ void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 }
 
 bool has_tensor_argument(const c10::FunctionSchema& schema) {
-  for (const auto& arg : schema.arguments()) {
-    if (arg.type()->kind() == c10::TypeKind::TensorType) return true;
-    if (auto opt = arg.type()->cast<c10::OptionalType>())
-      if (opt->getElementType()->kind() == c10::TypeKind::TensorType) return true;
-    if (auto list = arg.type()->cast<c10::ListType>()) {
-      auto elem = list->getElementType();
-      if (elem->kind() == c10::TypeKind::TensorType) return true;
-      if (auto o = elem->cast<c10::OptionalType>())
-        if (o->getElementType()->kind() == c10::TypeKind::TensorType) return true;
-    }
-  }
+  for (const auto& arg : schema.arguments())
+    if (type_contains_tensor(arg.type())) return true;
   return false;
 }
 
 }  // namespace
+
+bool type_contains_tensor(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) return true;
+  for (const c10::TypePtr& inner : type->containedTypes())
+    if (type_contains_tensor(inner)) return true;
+  return false;
+}
 
 void run_real(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   SuspendGuard suspend;

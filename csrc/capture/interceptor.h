@@ -11,6 +11,9 @@ namespace terra::capture {
 // Idempotent. Returns the number of operators that got a direct kernel.
 size_t install_interceptor();
 
+// Whether a schema type is, or holds, a Tensor (Tensor, Tensor?, Tensor[], Tensor?[], ...).
+bool type_contains_tensor(const c10::TypePtr& type);
+
 // Runs the real kernel of `op` below terra's key, with interception suspended.
 void run_real(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 

@@ -3,17 +3,12 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "trace/hash.h"
+
 namespace terra::capture {
 
 namespace {
 
-uint64_t mix(uint64_t h, uint64_t v) {
-  // splitmix64-style mixing: cheap, and good enough that 64-bit ids do not collide in practice.
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-  h ^= h >> 31;
-  h *= 0xbf58476d1ce4e5b9ULL;
-  return h ^ (h >> 29);
-}
 
 }  // namespace
 
@@ -115,11 +110,11 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   for (size_t d = 0; d < scratch_.size(); ++d) {
     const FrameRef& f = scratch_[d];
     uint64_t prefix = id;
-    id = mix(mix(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
+    id = trace::hash_combine(trace::hash_combine(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
     // Every loop of this frame whose range holds lasti encloses the op (outer ranges first).
     for (const LoopRange& r : loop_ranges(f.code)) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
-      uint64_t loop_id = mix(mix(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
+      uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
       active_.push_back(loop_id);
       LoopState& state = loop_state_[loop_id];
       bool was_active = std::find(previous_active_.begin(), previous_active_.end(), loop_id) != previous_active_.end();
@@ -143,10 +138,8 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   return id;
 }
 
-uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index, const std::string& label) {
-  uint64_t id = mix(mix(mix(base, 0xbacc), tag), index);
-  if (derived_.find(id) == derived_.end()) derived_.emplace(id, Derived{base, index, label});
-  return id;
+uint64_t LocationTracker::derived_id(uint64_t base, uint64_t tag, uint64_t index) {
+  return trace::hash_combine(trace::hash_combine(trace::hash_combine(base, 0xbacc), tag), index);
 }
 
 std::vector<std::string> LocationTracker::describe(uint64_t id) const {

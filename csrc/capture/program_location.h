@@ -45,8 +45,10 @@ class LocationTracker {
   uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops);
 
   // An id for a location derived from another (backward ops: forward location + tag).
-  // `label` names it in describe() (the autograd node's name).
-  uint64_t derive(uint64_t base, uint64_t tag, uint64_t index, const std::string& label);
+  // `label` (the autograd node's name) is asked for only the first time an id is seen, since
+  // building it costs a demangling.
+  template <typename Label>
+  uint64_t derive(uint64_t base, uint64_t tag, uint64_t index, Label&& label);
 
   // "file:line in function" per frame, outermost first. Needs the GIL.
   std::vector<std::string> describe(uint64_t id) const;
@@ -62,6 +64,7 @@ class LocationTracker {
     uint32_t iteration = 0;
   };
 
+  static uint64_t derived_id(uint64_t base, uint64_t tag, uint64_t index);
   const std::vector<LoopRange>& loop_ranges(PyCodeObject* code);
   void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
@@ -82,5 +85,12 @@ class LocationTracker {
   std::vector<int64_t> position_;
   std::vector<FrameRef> scratch_;
 };
+
+template <typename Label>
+uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index, Label&& label) {
+  uint64_t id = derived_id(base, tag, index);
+  if (derived_.find(id) == derived_.end()) derived_.emplace(id, Derived{base, index, label()});
+  return id;
+}
 
 }  // namespace terra::capture

@@ -7,11 +7,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <typeinfo>
 
 #include "capture/interceptor.h"
 #include "capture/placeholder.h"
 #include "capture/shape_inference.h"
 #include "capture/terra_key.h"
+
+#include "trace/hash.h"
 
 namespace terra::capture {
 
@@ -19,23 +22,19 @@ namespace {
 
 std::atomic<Region*> g_active{nullptr};
 
-uint64_t mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-  return h * 0xbf58476d1ce4e5b9ULL;
-}
 
 uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
-  h = mix(h, static_cast<uint64_t>(v.tag));
-  if (v.isInt()) return mix(h, static_cast<uint64_t>(v.toInt()));
-  if (v.isBool()) return mix(h, v.toBool());
+  h = trace::hash_combine(h, static_cast<uint64_t>(v.tag));
+  if (v.isInt()) return trace::hash_combine(h, static_cast<uint64_t>(v.toInt()));
+  if (v.isBool()) return trace::hash_combine(h, v.toBool());
   if (v.isDouble()) {
     double d = v.toDouble();
     uint64_t bits;
     std::memcpy(&bits, &d, sizeof bits);
-    return mix(h, bits);
+    return trace::hash_combine(h, bits);
   }
-  if (v.isString()) return mix(h, std::hash<std::string>()(v.toStringRef()));
-  if (v.isDevice()) return mix(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+  if (v.isString()) return trace::hash_combine(h, std::hash<std::string>()(v.toStringRef()));
+  if (v.isDevice()) return trace::hash_combine(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
   if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e);
     return h;
@@ -43,23 +42,18 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
   return h;  // None, Generator, ...: the tag says enough
 }
 
-bool is_tensor_type(const c10::TypePtr& type) {
-  if (type->kind() == c10::TypeKind::TensorType) return true;
-  for (const c10::TypePtr& inner : type->containedTypes())
-    if (is_tensor_type(inner)) return true;
-  return false;
-}
-
-bool is_host_op(const c10::OperatorHandle& op) {
-  for (const auto& arg : op.schema().arguments())
-    if (is_tensor_type(arg.type())) return false;
-  for (const auto& ret : op.schema().returns())
-    if (is_tensor_type(ret.type())) return false;
-  return true;
-}
-
 bool is_tensor_like(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
+}
+
+// Neither takes nor gives tensors. Almost every op has a tensor argument, so the arguments at
+// hand answer first and the schema's return types are read only for the rest.
+bool is_host_op(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  for (const c10::IValue& v : args)
+    if (is_tensor_like(v)) return false;
+  for (const auto& ret : op.schema().returns())
+    if (type_contains_tensor(ret.type())) return false;
+  return true;
 }
 
 }  // namespace
@@ -192,16 +186,18 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
     last_backward_node_ = node;
     backward_index_ = 0;
   }
+  // The node's type, without Node::name(), which demangles a string on every call.
+  const uint64_t node_type = typeid(*node).hash_code();
   uint64_t base;
   if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
     // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
-    base = mix(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
+    base = trace::hash_combine(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
   } else {
     auto it = node_location_.find(node->sequence_nr());
-    base = it != node_location_.end() ? it->second : mix(0xb0, std::hash<std::string>()(node->name()));
+    base = it != node_location_.end() ? it->second : trace::hash_combine(0xb0, node_type);
   }
-  return locations_.derive(base, mix(std::hash<std::string>()(node->name()), site), backward_index_++,
-                           node->name());
+  return locations_.derive(base, trace::hash_combine(node_type, site), backward_index_++,
+                           [node] { return node->name(); });
 }
 
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -232,7 +228,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 
   // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
   // host bookkeeping: nothing of theirs can wait for a graph, so they always run.
-  if (mode_ == Mode::Placeholder && !is_host_op(op)) {
+  if (mode_ == Mode::Placeholder && !is_host_op(op, args)) {
     run_placeholder(op, rec, index, args, stack);
     return;
   }
