@@ -9,6 +9,7 @@
 #include <cstring>
 #include <typeinfo>
 
+#include "capture/coexec_hook.h"
 #include "capture/interceptor.h"
 #include "capture/placeholder.h"
 #include "capture/shape_inference.h"
@@ -64,6 +65,8 @@ Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(s
   trace_.ops.reserve(1024);  // a training step is hundreds to thousands of ops
   produced_.reserve(1024);
 }
+
+Region::Region(CoExecHook* hook, PyFrameObject* stop_frame) : Region(Mode::CoExec, stop_frame) { hook_ = hook; }
 
 Region::~Region() {
   if (open_) close();
@@ -232,25 +235,81 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     run_placeholder(op, rec, index, args, stack);
     return;
   }
+  const bool report = mode_ == Mode::CoExec;
+  if (report && co_execute(op, rec, index, args, stack)) return;
   try {
     run_real(op, ks, stack);
   } catch (...) {
     trace_.ops.pop_back();  // the op raised in the user's program: it did not happen
     throw;
   }
+  record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
+}
+
+void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
+                            bool report) {
+  c10::SmallVector<at::Tensor, 4> flat;
   int32_t k = 0;
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor()) {
       rec.outputs.push_back(meta_of(v.toTensor()));
       produce(v.toTensor(), index, k++);
+      if (report) flat.push_back(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) {
         rec.outputs.push_back(meta_of(t));
         produce(t, index, k++);
+        if (report) flat.push_back(t);
       }
     }
   }
+  if (report) hook_->outputs(index, flat);
+}
+
+bool Region::co_execute(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
+                        torch::jit::Stack* stack) {
+  const bool host = is_host_op(op, args);
+  const InferredOutputs* inferred = nullptr;
+  size_t num_outputs = 0;
+  if (!host) {
+    try {
+      // Before the hook sees the op: an op whose shape check fails raises here, as in eager,
+      // and leaves neither a record nor a step of the graph behind.
+      inferred = &infer_outputs(op, args);
+    } catch (...) {
+      trace_.ops.pop_back();
+      throw;
+    }
+  }
+  const bool needs_data = inferred != nullptr && inferred->needs_materialization;
+  if (inferred != nullptr && !needs_data) {
+    for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
+  } else {
+    for (const auto& r : op.schema().returns())
+      if (r.type()->kind() == c10::TypeKind::TensorType) ++num_outputs;
+  }
+  if (needs_data) rec.needs_materialization = true;
+  switch (hook_->validate(*this, rec, index, args, num_outputs, needs_data, host)) {
+    case CoExecHook::Verdict::kPlaceholder:
+      break;
+    case CoExecHook::Verdict::kRunReal:
+      return false;
+    case CoExecHook::Verdict::kDiverged:
+      mode_ = Mode::Record;
+      return false;
+  }
+  run_placeholder(op, rec, index, args, stack);
+  const size_t nret = op.schema().returns().size();
+  c10::SmallVector<at::Tensor, 4> flat;
+  for (size_t r = 0; r < nret; ++r) {
+    const c10::IValue& v = (*stack)[stack->size() - nret + r];
+    if (v.isTensor()) flat.push_back(v.toTensor());
+    else if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList().vec()) flat.push_back(t);
+  }
+  hook_->outputs(index, flat);
+  return true;
 }
 
 void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,

@@ -28,11 +28,17 @@ namespace terra::capture {
 enum class Mode {
   Record,       // run the real kernel, record the op
   Placeholder,  // run nothing, return placeholders
+  CoExec,       // ask the co-execution hook per op: placeholders while the program follows the
+                // graph, real ops (recorded) from a divergence on
 };
+
+class CoExecHook;
 
 class Region {
  public:
   Region(Mode mode, PyFrameObject* stop_frame);
+  // Mode::CoExec: `hook` (which must outlive the region) validates every op.
+  Region(CoExecHook* hook, PyFrameObject* stop_frame);
   ~Region();
 
   // Opens the region on the calling thread (needs the GIL); close() must run on the same thread.
@@ -61,8 +67,14 @@ class Region {
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
                        c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
+  // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
+  bool co_execute(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
+                  torch::jit::Stack* stack);
+  void record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
+                      bool report);
 
   Mode mode_;
+  CoExecHook* hook_ = nullptr;
   bool open_ = false;
   std::mutex mu_;  // the autograd engine may call in from its device threads
   std::optional<InterceptGuard> intercept_;  // our key in this thread's TLS include set

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include <ATen/core/enum_tag.h>
+
 #include "capture/region.h"
 #include "trace/hash.h"
 
@@ -23,8 +25,8 @@ uint64_t fnv1a(std::string_view s, uint64_t h = 0xcbf29ce484222325ULL) {
 // The tensor layout (which arguments carry tensors, list lengths) and the output count are part
 // of what makes two ops equal: the emitter rebuilds the argument list from one record per node,
 // so records that disagree on it must not share a node.
-uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec) {
-  uint64_t h = trace::mix64(rec.outputs.size() + 1);
+uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs) {
+  uint64_t h = trace::mix64(num_outputs + 1);
   for (const capture::OpInput& in : rec.inputs) {
     if (is_none_input(trace, in)) continue;
     h = trace::hash_combine(h, (static_cast<uint64_t>(in.argument) << 32) ^
@@ -39,6 +41,20 @@ bool is_none_input(const capture::Trace& trace, const capture::OpInput& input) {
   const capture::ValueRef& v = input.value;
   return v.is_external() && static_cast<size_t>(v.external) < trace.externals.size() &&
          trace.externals[v.external].identity == c10::UndefinedTensorImpl::singleton();
+}
+
+trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs) {
+  trace::OpKey key;
+  key.op = operator_id(rec.op.operator_name());
+  key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(trace, rec, num_outputs));
+  key.location = rec.location;
+  return key;
+}
+
+bool has_side_effect(const c10::OperatorHandle& op) {
+  for (const c10::Argument& a : op.schema().arguments())
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
+  return op.hasTag(at::Tag::nondeterministic_seeded);
 }
 
 uint64_t operator_id(const c10::OperatorName& name) {
@@ -90,9 +106,7 @@ trace::Trace CapturedProgram::translate(const capture::Trace& in) {
   for (size_t i = 0; i < in.ops.size(); ++i) {
     const capture::OpRecord& rec = in.ops[i];
     trace::OpRecord op;
-    op.key.op = operator_id(rec.op.operator_name());
-    op.key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(in, rec));
-    op.key.location = rec.location;
+    op.key = key_of(in, rec, rec.outputs.size());
     op.loops.reserve(rec.loops.size());
     for (const capture::LoopFrame& f : rec.loops) op.loops.push_back({f.loop_id, f.iteration});
     op.inputs.reserve(rec.inputs.size());

@@ -64,8 +64,10 @@ class CapturedProgram {
     return n < infos_.size() && infos_[n] ? &*infos_[n] : nullptr;
   }
 
- private:
+  // The TraceGraph input for a captured trace (without merging it).
   trace::Trace translate(const capture::Trace& trace);
+
+ private:
   uint32_t feed_id(const capture::ExternalInput& external);
 
   trace::TraceGraph graph_;
@@ -82,6 +84,14 @@ uint64_t operator_id(const c10::OperatorName& name);
 // but no tensor (aten::_local_scalar_dense behind .item() and bool(t), aten::equal, ...), and
 // terra::fetch itself (an explicit "Python reads this tensor" marker).
 bool is_read_op(const c10::FunctionSchema& schema);
+
+// Writes to one of its arguments or draws random numbers: in a co-execution graph it must not
+// run before Python has validated it (a later divergence could not undo it).
+bool has_side_effect(const c10::OperatorHandle& op);
+
+// The TraceGraph key of a captured record whose op produces `num_outputs` tensors (records
+// built for co-execution are keyed before their outputs exist).
+trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs);
 
 // An input that stands for None: the capture layer records an undefined tensor inside a
 // Tensor?[] argument (x[:, idx] indexes with [None, idx]) as an external whose TensorImpl is the

@@ -20,6 +20,12 @@ class ChannelSource {
   virtual at::Tensor feed(int64_t slot) = 0;
   // Python reads `value` at fetch `slot`.
   virtual void fetch(int64_t slot, const at::Tensor& value) = 0;
+  // Co-execution graphs only (EmitOptions::coexec). The op after this one writes to a tensor
+  // Python can observe, or draws random numbers: wait until Python has validated it.
+  virtual void gate(int64_t /*node*/) {}
+  // The next value of the program's output sequence (one per op output, in program order):
+  // the Python side's placeholder for it reads it from here. Undefined for ops without outputs.
+  virtual void publish(int64_t /*tag*/, const at::Tensor& /*value*/) {}
 };
 
 // The source the terra:: ops of this thread talk to, or nullptr. Thread-local because a graph
@@ -44,5 +50,7 @@ inline constexpr const char* kLoopCondOp = "terra::loop_cond";
 inline constexpr const char* kFeedOp = "terra::feed";
 inline constexpr const char* kFeedOrNoneOp = "terra::feed_or_none";
 inline constexpr const char* kFetchOp = "terra::fetch";
+inline constexpr const char* kGateOp = "terra::gate";
+inline constexpr const char* kPublishOp = "terra::publish";
 
 }  // namespace terra::emit

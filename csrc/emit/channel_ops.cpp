@@ -38,6 +38,12 @@ std::optional<at::Tensor> feed_or_none(int64_t slot) {
   return t;
 }
 
+void gate(int64_t node) { require(kGateOp).gate(node); }
+
+void publish(int64_t tag, const std::optional<at::Tensor>& value) {
+  require(kPublishOp).publish(tag, value.has_value() ? *value : at::Tensor());
+}
+
 // With no source installed this is a no-op: that is the case while a capture region records a
 // terra::fetch marker (the interceptor runs the real kernel after recording it).
 void fetch(int64_t slot, const at::Tensor& value) {
@@ -62,6 +68,10 @@ TORCH_LIBRARY(terra, m) {
   m.def(torch::schema("feed(int slot) -> Tensor", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed);
   m.def(torch::schema("feed_or_none(int slot) -> Tensor?", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::feed_or_none);
+  m.def(torch::schema("gate(int node) -> ()", AliasAnalysisKind::CONSERVATIVE), &terra::emit::gate);
+  // A catch-all kernel: publish only ever runs inside generated graphs, never in a capture region.
+  m.def(torch::schema("publish(int tag, Tensor? value) -> ()", AliasAnalysisKind::CONSERVATIVE),
+        &terra::emit::publish);
   // fetch has a tensor argument and gets backend kernels only (below): a catch-all kernel would
   // win over the capture layer's PrivateUse3 fallback, and a terra::fetch called inside a
   // capture region must be recorded (terra_torch.graph uses it to mark the values Python reads).

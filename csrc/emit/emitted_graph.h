@@ -48,6 +48,10 @@ struct EmittedGraph {
   std::vector<FeedSlot> feeds;
   std::vector<FetchSlot> fetches;
   EmitStats stats;
+  // Co-execution graphs: per TraceGraph node, how many values of the output sequence one
+  // execution publishes (0 for reads and nodes without ops), and whether it waits at a gate.
+  std::vector<uint32_t> node_publishes;
+  std::vector<uint8_t> node_gated;
 
   // -1 when (node, input) has no feed slot.
   int64_t feed_slot(trace::NodeId node, uint32_t input) const {
@@ -57,6 +61,11 @@ struct EmittedGraph {
   int64_t fetch_slot(trace::NodeId node, uint32_t input) const {
     const auto it = fetch_index.find(key(node, input));
     return it == fetch_index.end() ? -1 : static_cast<int64_t>(it->second);
+  }
+
+  // The tag a co-execution graph publishes output k of node n with (k = 255: an op without outputs).
+  static int64_t publish_tag(trace::NodeId node, uint32_t output) {
+    return (static_cast<int64_t>(node) << 8) | static_cast<int64_t>(output);
   }
 
   static uint64_t key(trace::NodeId node, uint32_t input) {

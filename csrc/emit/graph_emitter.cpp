@@ -55,14 +55,17 @@ std::string op_name(const c10::OperatorHandle& op) { return c10::toString(op.ope
 
 class Emitter {
  public:
-  Emitter(const CapturedProgram& cp, const trace::Program& prog, EmittedGraph& out)
-      : cp_(cp), prog_(prog), out_(out), g_(*out.graph), flow_(cp.graph(), prog, cp.traces(), cp.all_record_nodes()) {
+  Emitter(const CapturedProgram& cp, const trace::Program& prog, EmittedGraph& out, bool coexec)
+      : cp_(cp), prog_(prog), out_(out), g_(*out.graph), flow_(cp.graph(), prog, cp.traces(), cp.all_record_nodes()),
+        coexec_(coexec) {
     env_.assign(flow_.num_vars(), nullptr);
     case_select_ = c10::Symbol::fromQualString(kCaseSelectOp);
     loop_cond_ = c10::Symbol::fromQualString(kLoopCondOp);
     feed_ = c10::Symbol::fromQualString(kFeedOp);
     feed_or_none_ = c10::Symbol::fromQualString(kFeedOrNoneOp);
     fetch_ = c10::Symbol::fromQualString(kFetchOp);
+    gate_ = c10::Symbol::fromQualString(kGateOp);
+    publish_ = c10::Symbol::fromQualString(kPublishOp);
   }
 
   void emit(ProgId p) {
@@ -192,15 +195,37 @@ class Emitter {
     if (info == nullptr) throw std::logic_error("terra_torch: block holds node " + std::to_string(n) + " without op info");
     const c10::FunctionSchema& schema = info->op.schema();
     if (is_read_op(schema)) {
-      emit_read(n, *info);
+      if (!coexec_) emit_read(n, *info);  // co-execution: Python reads the published inputs
       return;
     }
     ++out_.stats.ops;
     std::vector<Value*> args = arguments(n, *info);
+    const bool gated = coexec_ && has_side_effect(info->op);
+    if (gated) channel_op(gate_, {int_constant(n)}, nullptr);
     Node* node = g_.insertNode(g_.create(c10::Symbol::fromQualString(schema.name()), args, 0));
     for (const c10::Argument& r : schema.returns()) node->addOutput()->setType(r.type());
     check_overload(node, *info);
-    bind_outputs(n, *info, node);
+    std::vector<Value*> outputs = bind_outputs(n, *info, node);
+    if (coexec_) publish(n, outputs, gated);
+  }
+
+  // Every output joins the output sequence, in program order; an op without outputs publishes
+  // one none, so that Python can tell when it has run.
+  void publish(NodeId n, const std::vector<Value*>& outputs, bool gated) {
+    if (out_.node_publishes.size() <= n) {
+      out_.node_publishes.resize(n + 1, 0);
+      out_.node_gated.resize(n + 1, 0);
+    }
+    out_.node_gated[n] = gated;
+    if (outputs.empty()) {
+      Value* none = g_.insertNode(g_.createNone())->output();
+      channel_op(publish_, {g_.insertConstant(EmittedGraph::publish_tag(n, 255)), none}, nullptr);
+      out_.node_publishes[n] = 1;
+      return;
+    }
+    for (uint32_t k = 0; k < outputs.size(); ++k)
+      channel_op(publish_, {g_.insertConstant(EmittedGraph::publish_tag(n, k)), outputs[k]}, nullptr);
+    out_.node_publishes[n] = static_cast<uint32_t>(outputs.size());
   }
 
   // Python reads each tensor input of this op (and computes the op's scalar result itself).
@@ -304,7 +329,7 @@ class Emitter {
   }
 
   // Recorded outputs are the tensors of the results, lists flattened; map them back.
-  void bind_outputs(NodeId n, const OpInfo& info, Node* node) {
+  std::vector<Value*> bind_outputs(NodeId n, const OpInfo& info, Node* node) {
     const auto& returns = info.op.schema().returns();
     size_t plain = 0, lists = 0;
     for (const auto& r : returns) {
@@ -316,7 +341,9 @@ class Emitter {
       throw std::runtime_error("terra_torch: cannot map the recorded outputs of " + op_name(info.op));
     uint32_t k = 0;
     std::vector<VarId> vars;
+    std::vector<Value*> values;
     auto bind = [&](Value* v) {
+      values.push_back(v);
       vars.clear();
       flow_.assigned_by(n, k, copy_, vars);
       for (const VarId var : vars) assign(var, v);
@@ -331,6 +358,7 @@ class Emitter {
         for (Value* v : unpack->outputs()) bind(v);
       }
     }
+    return values;
   }
 
   // ---- control flow -------------------------------------------------------------------------
@@ -463,7 +491,8 @@ class Emitter {
   CopyIndex copy_;  // trip indices of the unrolled loops being emitted
   std::vector<uint32_t> seen_;
   uint32_t epoch_ = 0;
-  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_;
+  bool coexec_;
+  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_;
 };
 
 size_t count_nodes(const Block* b) {
@@ -492,7 +521,7 @@ EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& st
   out.graph = std::make_shared<Graph>();
   auto t0 = Clock::now();
   {
-    Emitter emitter(program, structured, out);
+    Emitter emitter(program, structured, out, options.coexec);
     emitter.emit(structured.root);
   }
   out.stats.emit_ms = ms(t0);

@@ -36,6 +36,10 @@ namespace terra::emit {
 struct EmitOptions {
   bool optimize = true;  // run optimize_graph on the result
   bool lint = true;      // without optimize: Graph::lint() the result (with it, always)
+  // The co-execution form (docs/RUNTIME.md, "Placeholders and the output sequence"): every op
+  // publishes each output (terra::publish), ops with side effects wait for Python at a
+  // terra::gate first, and reads become nothing (Python takes the published values).
+  bool coexec = false;
 };
 
 // `structured` must be assign_cases(program.graph()). Throws std::runtime_error for ops it cannot

@@ -256,7 +256,10 @@ py::dict channel_stats(const ConcurrentChannel& c) {
 py::object graph_waiting_for(const ConcurrentChannel& c) {
   const auto w = c.graph_waiting_for();
   if (!w) return py::none();
-  return py::make_tuple(w->kind == runtime::GraphWait::Kind::kDecision ? "decision" : "feed", w->id);
+  const char* kind = w->kind == runtime::GraphWait::Kind::kDecision ? "decision"
+                     : w->kind == runtime::GraphWait::Kind::kGate   ? "gate"
+                                                                     : "feed";
+  return py::make_tuple(kind, w->id);
 }
 
 at::Tensor wait_fetch(ConcurrentChannel& c, int64_t slot, std::optional<double> timeout) {

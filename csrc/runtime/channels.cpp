@@ -5,6 +5,7 @@
 // and lets them die after unlocking. Python holds the GIL while posting, which is fine because
 // the graph thread holds mu_ only for queue operations.
 #include "runtime/channels.h"
+#include "runtime/value_table.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -43,7 +44,9 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
   auto& q = decisions_[site];
   if (q.empty()) {
     const auto t0 = Clock::now();
-    graph_waiting_ = GraphWait{GraphWait::Kind::kDecision, site};
+    graph_waiting_ = site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
+                                          : GraphWait{GraphWait::Kind::kDecision, site};
+    if (values_) values_->notify();
     graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
@@ -68,15 +71,54 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
   if (q.empty()) {
     const auto t0 = Clock::now();
     graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
+    if (values_) values_->notify();
     graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
   }
-  at::Tensor t = std::move(q.front());
+  Fed fed = std::move(q.front());
   q.pop_front();
   ++stats_.feeds;
-  return t;
+  std::shared_ptr<ValueTable> values = values_;
+  lock.unlock();
+  if (fed.index < 0) return std::move(fed.tensor);
+  // An earlier iteration computed it, so it is in the table while the placeholder lives.
+  std::optional<at::Tensor> v = values ? values->value(fed.index) : std::nullopt;
+  if (!v || !v->defined())
+    throw std::runtime_error("terra_torch internal error: feed slot " + std::to_string(slot) +
+                             " needs output " + std::to_string(fed.index) +
+                             " of the program, which the graph has not kept");
+  return *v;
+}
+
+void ConcurrentChannel::gate(int64_t node) { take_decision(kGateKeyBase + node); }
+
+void ConcurrentChannel::publish(int64_t tag, const at::Tensor& value) {
+  std::shared_ptr<ValueTable> values;
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("graph");
+    values = values_;
+  }
+  if (!values) throw std::runtime_error("terra_torch: terra::publish ran on a channel without a value table");
+  values->publish(tag, value);
+}
+
+void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
+  std::lock_guard lock(mu_);
+  values_ = std::move(values);
+}
+
+void ConcurrentChannel::post_gate(int64_t node) { post_decision(kGateKeyBase + node, 1); }
+
+void ConcurrentChannel::post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep) {
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("Python side");
+    feeds_[slot].push_back(Fed{std::move(keep), index});
+  }
+  graph_cv_.notify_all();
 }
 
 void ConcurrentChannel::fetch(int64_t slot, const at::Tensor& value) {
@@ -109,7 +151,7 @@ void ConcurrentChannel::post_feed(int64_t slot, at::Tensor value) {
   {
     std::lock_guard lock(mu_);
     if (cancelled_) throw_cancelled("Python side");
-    feeds_[slot].push_back(std::move(value));
+    feeds_[slot].push_back(Fed{std::move(value), -1});
   }
   graph_cv_.notify_all();
 }
@@ -158,7 +200,8 @@ void ConcurrentChannel::reset() {
   // Swapped out under the lock, destroyed after it: the caller (Python, GIL held) may free
   // tensors whose Python objects C++ kept alive, and that must not happen under mu_.
   std::unordered_map<int64_t, std::deque<int64_t>> decisions;
-  std::unordered_map<int64_t, std::deque<at::Tensor>> feeds, fetched;
+  std::unordered_map<int64_t, std::deque<Fed>> feeds;
+  std::unordered_map<int64_t, std::deque<at::Tensor>> fetched;
   {
     std::lock_guard lock(mu_);
     decisions.swap(decisions_);
@@ -184,6 +227,24 @@ std::string ConcurrentChannel::leftovers() const {
 std::optional<GraphWait> ConcurrentChannel::graph_waiting_for() const {
   std::lock_guard lock(mu_);
   return graph_waiting_;
+}
+
+bool ConcurrentChannel::graph_stuck() const {
+  std::lock_guard lock(mu_);
+  if (!graph_waiting_) return false;
+  const int64_t id = graph_waiting_->id;
+  switch (graph_waiting_->kind) {
+    case GraphWait::Kind::kFeed: {
+      auto it = feeds_.find(id);
+      return it == feeds_.end() || it->second.empty();
+    }
+    case GraphWait::Kind::kGate:
+    case GraphWait::Kind::kDecision: {
+      auto it = decisions_.find(graph_waiting_->kind == GraphWait::Kind::kGate ? id + kGateKeyBase : id);
+      return it == decisions_.end() || it->second.empty();
+    }
+  }
+  return false;
 }
 
 ChannelStats ConcurrentChannel::stats() const {

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -20,6 +21,11 @@
 #include "emit/channel.h"
 
 namespace terra::runtime {
+
+class ValueTable;
+
+// Gates share the decision queues under their own key range (sites are small numbers).
+inline constexpr int64_t kGateKeyBase = int64_t(1) << 40;
 
 // Thrown on both sides once the channel is cancelled. On the graph side it unwinds the running
 // graph out of whatever channel op it was in (the interpreter rethrows it as a runtime_error,
@@ -39,7 +45,7 @@ struct ChannelStats {
 
 // What the graph thread is blocked on right now (for tests and diagnostics).
 struct GraphWait {
-  enum class Kind { kDecision, kFeed } kind;
+  enum class Kind { kDecision, kFeed, kGate } kind;
   int64_t id;  // site or slot
 };
 
@@ -52,6 +58,10 @@ class ConcurrentChannel final : public emit::ChannelSource {
   // Publishes a copy: the graph may update the tensor in place after Python asked for it, and
   // Python must see the value at the point of the read (ScriptedChannel does the same).
   void fetch(int64_t slot, const at::Tensor& value) override;
+  // Co-execution: waits for Python's token for `node` (posted when Python validated the op).
+  void gate(int64_t node) override;
+  // Co-execution: hands the value to the value table (which must be attached).
+  void publish(int64_t tag, const at::Tensor& value) override;
 
   // ---- Python side (never blocks except wait_fetch) ----
   // Case index at a case-select site, or kLoopContinue / kLoopExit at a loop-cond site: sites
@@ -61,6 +71,15 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void post_loop(int64_t site, bool again);
   // An undefined tensor means "none" (a feed_or_none slot that takes the graph's own value).
   void post_feed(int64_t slot, at::Tensor value);
+  // A feed whose tensor is the graph's own value at `index` of the value table: Python holds a
+  // placeholder of an earlier iteration whose value the graph computed (it is resolved when the
+  // graph reaches the feed; `keep` is the placeholder, held until then).
+  void post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep);
+  // Python has validated the side-effecting op at `node`: the graph may run it.
+  void post_gate(int64_t node);
+  // The value table behind publish and deferred feeds; waiters on it are woken whenever the
+  // graph blocks here, so that they can tell "not yet" from "never".
+  void attach_values(std::shared_ptr<ValueTable> values);
   // The next value published at `slot`, waiting at most `max_wait`; nullopt on timeout. Values
   // published before a cancel stay readable; once the queue is empty a cancel throws.
   std::optional<at::Tensor> wait_fetch(int64_t slot, std::chrono::nanoseconds max_wait);
@@ -78,6 +97,9 @@ class ConcurrentChannel final : public emit::ChannelSource {
   // iteration consumed exactly what was posted and Python read every fetch).
   std::string leftovers() const;
   std::optional<GraphWait> graph_waiting_for() const;
+  // The graph is blocked on a decision, feed or gate that nobody has posted yet. When the only
+  // poster (the Python thread) asks this, "true" means the graph will not move until it posts.
+  bool graph_stuck() const;
   ChannelStats stats() const;
 
  private:
@@ -88,7 +110,12 @@ class ConcurrentChannel final : public emit::ChannelSource {
   std::condition_variable graph_cv_;   // the graph thread waits here for posts
   std::condition_variable python_cv_;  // Python waits here for fetches
   std::unordered_map<int64_t, std::deque<int64_t>> decisions_;
-  std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
+  struct Fed {
+    at::Tensor tensor;
+    int64_t index = -1;  // >= 0: the value table's entry (tensor is the placeholder to keep)
+  };
+  std::unordered_map<int64_t, std::deque<Fed>> feeds_;
+  std::shared_ptr<ValueTable> values_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> fetched_;
   bool cancelled_ = false;
   std::string reason_;

@@ -1,0 +1,38 @@
+// How the co-execution runtime steers a capture region (Mode::CoExec). The capture layer knows
+// ops, records and placeholders; the runtime knows the TraceGraph, the channel and the values
+// the graph computed. This interface is the seam, so capture stays free of runtime headers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "capture/trace_record.h"
+
+namespace terra::capture {
+
+class Region;
+
+class CoExecHook {
+ public:
+  enum class Verdict {
+    kPlaceholder,  // the op matched: return placeholders, then report them with outputs()
+    kRunReal,      // the op matched and needs data: its inputs are materialized, run it for real
+    kDiverged,     // the op did not match: the graph is stopped and every live placeholder is
+                   // materialized; the rest of the region records real ops
+  };
+  virtual ~CoExecHook() = default;
+
+  // `rec` has its inputs, attributes, location and loops. `num_outputs`: tensors the op returns
+  // (lists flattened). `needs_data`: the op cannot run on placeholders (it reads values or has
+  // a data-dependent shape). `host`: it takes and gives no tensors.
+  virtual Verdict validate(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
+                           size_t num_outputs, bool needs_data, bool host) = 0;
+  // The outputs of a matched op, flattened (undefined where the op returned none).
+  virtual void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) = 0;
+};
+
+}  // namespace terra::capture

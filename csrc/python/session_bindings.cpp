@@ -1,0 +1,106 @@
+// Python bindings of one co-executed program (runtime/session.h): _C.runtime.Session, which
+// terra_torch/runtime.py drives through the phases. Blocking calls release the GIL inside the
+// runtime (PythonRunner waits), so nothing here holds it across a wait.
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <string>
+
+#include "capture/region.h"
+#include "python/bindings.h"
+#include "runtime/session.h"
+
+namespace py = pybind11;
+
+namespace terra::python {
+
+namespace {
+
+using runtime::Session;
+
+py::dict session_stats(Session& s) {
+  py::dict d;
+  d["traces"] = s.num_traces();
+  d["builds"] = s.builds();
+  if (!s.has_runner()) return d;
+  const runtime::PythonRunnerStats p = s.runner().stats();
+  const runtime::RunnerStats g = s.runner().graph_stats();
+  const runtime::ChannelStats c = s.runner().channel_stats();
+  d["python_ops"] = p.ops;
+  d["python_placeholders"] = p.placeholders;
+  d["python_reads"] = p.reads;
+  d["python_stall_ns"] = p.stall_ns;
+  d["divergences"] = p.divergences;
+  d["materialized"] = p.materialized;
+  d["graph_iterations_run"] = g.iterations_run;
+  d["graph_iterations_failed"] = g.iterations_failed;
+  d["graph_exec_ns"] = g.exec_ns;
+  d["graph_stall_ns"] = c.graph_stall_ns;
+  d["decisions"] = c.decisions;
+  d["feeds"] = c.feeds;
+  d["table_size"] = s.runner().table_size();
+  return d;
+}
+
+}  // namespace
+
+void init_session(py::module_& m) {
+  py::module_ r = m.attr("runtime").cast<py::module_>();
+  py::class_<Session, std::shared_ptr<Session>>(r, "Session")
+      .def(py::init([](const std::string& mode, bool optimize) {
+             TORCH_CHECK(mode == "coexec" || mode == "lazy", "terra_torch: mode must be 'coexec' or 'lazy', got '",
+                         mode, "'");
+             runtime::SessionOptions o;
+             o.drive = mode == "lazy" ? runtime::Drive::kLazy : runtime::Drive::kCoExec;
+             o.optimize = optimize;
+             return std::make_shared<Session>(o);
+           }),
+           py::arg("mode") = "coexec", py::arg("optimize") = false)
+      .def("add", &Session::add, py::arg("region"), "Merge a closed region's trace; True if it was already covered")
+      .def("build", &Session::build, "Generate the graph and start its runner")
+      .def_property_readonly("has_runner", &Session::has_runner)
+      .def_property_readonly("num_traces", &Session::num_traces)
+      .def(
+          "open",
+          [](Session& s, py::object stop_frame) {
+            auto* frame = stop_frame.is_none() ? nullptr : reinterpret_cast<PyFrameObject*>(stop_frame.ptr());
+            return s.open_region(frame);
+          },
+          py::arg("stop_frame"))
+      .def("close", [](Session& s, capture::Region& region) { return s.close_region(region); }, py::arg("region"))
+      .def("divergence",
+           [](Session& s) -> py::object {
+             if (!s.has_runner() || !s.runner().diverged()) return py::none();
+             return py::make_tuple(s.runner().divergence_reason(), s.runner().divergence_record());
+           })
+      .def(
+          "synchronize",
+          [](Session& s, bool finish) {
+            if (s.has_runner()) s.runner().synchronize(finish);
+          },
+          py::arg("finish") = true)
+      .def(
+          "materialize",
+          [](Session& s, const at::Tensor& t) {
+            if (s.has_runner()) s.runner().materialize(t);
+          },
+          py::arg("tensor"))
+      .def("shut_down",
+           [](Session& s) {
+             if (s.has_runner()) s.runner().shut_down();
+           })
+      .def_property_readonly("graph",
+                             [](const Session& s) -> py::object {
+                               if (s.emitted() == nullptr) return py::none();
+                               return py::cast(s.emitted()->graph);
+                             })
+      .def_property_readonly("text",
+                             [](const Session& s) -> std::string {
+                               return s.emitted() ? s.emitted()->graph->toString() : std::string();
+                             })
+      .def_property_readonly("stats", &session_stats);
+}
+
+}  // namespace terra::python

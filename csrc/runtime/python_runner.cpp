@@ -1,0 +1,413 @@
+// PythonRunner: per-op validation and posting, materialization, divergence.
+//
+// Everything here runs on the Python thread, inside the capture region's handler (region mutex
+// held, GIL normally released by torch's bindings). Waits release the GIL if the caller held it,
+// because the graph thread may need it to free a tensor whose Python object C++ kept alive.
+#include "runtime/python_runner.h"
+
+#include <Python.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Exceptions.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/terra_key.h"
+#include "runtime/executor.h"
+
+namespace terra::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+// Releases the GIL for the scope if this thread holds it.
+class GilRelease {
+ public:
+  GilRelease() {
+    if (Py_IsInitialized() && PyGILState_Check()) state_ = PyEval_SaveThread();
+  }
+  ~GilRelease() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+// Ctrl-C while Python waits for the graph: raise KeyboardInterrupt in the user's program.
+void check_signals() {
+  if (!Py_IsInitialized()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_CheckSignals() != 0) {
+    python_error e;  // takes the pending KeyboardInterrupt, restored when it reaches Python
+    e.persist();
+    PyGILState_Release(gil);
+    throw e;
+  }
+  PyGILState_Release(gil);
+}
+
+std::string op_name(const capture::OpRecord& rec) { return c10::toString(rec.op.operator_name()); }
+
+}  // namespace
+
+PythonRunner::PythonRunner(const emit::CapturedProgram& program, const trace::Program& structured,
+                           const emit::EmittedGraph& emitted, Drive drive)
+    : program_(program),
+      structured_(structured),
+      emitted_(emitted),
+      drive_(drive),
+      channel_(std::make_shared<ConcurrentChannel>()),
+      values_(std::make_shared<ValueTable>()),
+      cursor_(structured) {
+  channel_->attach_values(values_);
+  runner_ = std::make_unique<GraphRunner>(std::make_unique<TorchScriptExecutor>(emitted.graph), channel_);
+}
+
+PythonRunner::~PythonRunner() {
+  GilRelease no_gil;
+  runner_->shutdown();
+}
+
+// ---- iterations --------------------------------------------------------------------------------
+
+void PythonRunner::begin_iteration() {
+  TORCH_CHECK(!stopped_, "terra_torch: this PythonRunner was shut down");
+  TORCH_CHECK(!in_iteration_, "terra_torch internal error: an iteration is already running");
+  drain_outcomes(false);  // an earlier graph iteration's error surfaces here
+  cursor_.reset();
+  record_nodes_.clear();
+  diverged_ = false;
+  reason_.clear();
+  divergence_record_ = -1;
+  for (auto it = links_.begin(); it != links_.end();) {
+    if (it->second.impl.expired()) it = links_.erase(it);
+    else ++it;
+  }
+  values_->sweep();
+  runner_->start_iteration();
+  ++started_;
+  in_iteration_ = true;
+}
+
+bool PythonRunner::end_iteration() {
+  TORCH_CHECK(in_iteration_, "terra_torch internal error: no iteration to end");
+  if (!diverged_) {
+    const trace::Match m = cursor_.finish();
+    if (!m.matched) {
+      diverge("the iteration ended where the traced iterations went on", -1);
+    } else {
+      for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
+      if (drive_ == Drive::kLazy) {
+        flush();
+        wait_for_graph(values_->expected());
+      }
+    }
+  }
+  in_iteration_ = false;
+  return diverged_;
+}
+
+// ---- the hook --------------------------------------------------------------------------------
+
+PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, const capture::OpRecord& rec,
+                                             int32_t index, c10::ArrayRef<c10::IValue> args, size_t num_outputs,
+                                             bool needs_data, bool host) {
+  ++stats_.ops;
+  if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
+  const trace::OpKey key = emit::key_of(region.trace(), rec, num_outputs);
+  loops_.clear();
+  for (const capture::LoopFrame& f : rec.loops) loops_.push_back({f.loop_id, f.iteration});
+  const trace::Match m = cursor_.step(key, loops_);
+  if (!m.matched) return diverge(op_name(rec) + " is not where the traced iterations had it", index);
+  const trace::NodeId node = m.node;
+  const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
+
+  // The data flow must be the graph's too; checked for every input before anything is posted.
+  plan_.clear();
+  if (emitted) {
+    const trace::Node& gnode = program_.graph().node(node);
+    uint32_t slot = 0;
+    for (const capture::OpInput& in : rec.inputs) {
+      if (emit::is_none_input(region.trace(), in)) continue;
+      const uint32_t s = slot++;
+      const int64_t fslot = emitted_.feed_slot(node, s);
+      if (in.value.is_external()) {
+        const at::Tensor& t = region.external_tensors().at(in.value.external);
+        if (fslot < 0)
+          return diverge(op_name(rec) + " reads a tensor from outside the iteration where the graph reads a value it computes",
+                         index);
+        if (const auto linked = linked_index(t)) {
+          plan_.push_back({Post::Kind::kDeferredFeed, fslot, *linked, t});
+        } else {
+          TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: input ", s, " of ", op_name(rec),
+                      " is a placeholder the runtime does not know");
+          plan_.push_back({Post::Kind::kFeed, fslot, -1, t});
+        }
+        continue;
+      }
+      const trace::NodeId producer = record_nodes_.at(in.value.record);
+      bool known = false;
+      for (const trace::Source& src : gnode.inputs.at(s))
+        known |= src.kind == trace::Source::Kind::kNode && src.id == producer &&
+                 src.output == static_cast<uint32_t>(in.value.output);
+      if (!known)
+        return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
+      if (fslot >= 0) {
+        if (!emitted_.feeds[fslot].optional)
+          return diverge(op_name(rec) + " reads a value computed in the iteration where the graph was fed one", index);
+        plan_.push_back({Post::Kind::kFeed, fslot, -1, at::Tensor()});
+      }
+    }
+  }
+
+  for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
+  for (Post& p : plan_) post(std::move(p));
+  if (emitted && emitted_.node_gated[node]) post({Post::Kind::kGate, static_cast<int64_t>(node), -1, {}});
+  record_nodes_[index] = node;
+  if (host) return Verdict::kRunReal;
+  if (!needs_data) {
+    ++stats_.placeholders;
+    return Verdict::kPlaceholder;
+  }
+  // A read: everything Python validated so far must have run (the op may read a tensor the
+  // graph updates in place), and the placeholders it reads get their values.
+  ++stats_.reads;
+  flush();
+  wait_for_graph(values_->expected());
+  auto give_value = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    if (const auto linked = linked_index(t)) {
+      std::optional<at::Tensor> v = values_->value(*linked);
+      TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep the value ", op_name(rec),
+                  " reads");
+      refresh(t, *v);
+    } else {
+      TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: ", op_name(rec),
+                  " reads a placeholder the runtime does not know");
+    }
+  };
+  for (const c10::IValue& a : args) {
+    if (a.isTensor()) give_value(a.toTensor());
+    else if (a.isTensorList())
+      for (const at::Tensor& t : a.toTensorList().vec()) give_value(t);
+    else if (a.isOptionalTensorList())
+      for (const c10::IValue& e : a.toListRef())
+        if (e.isTensor()) give_value(e.toTensor());
+  }
+  return Verdict::kRunReal;
+}
+
+void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
+  const trace::NodeId node = record_nodes_.at(index);
+  const uint32_t count = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
+  if (count == 0) return;
+  if (outputs.empty()) {
+    TORCH_CHECK(count == 1, "terra_torch internal error: node ", node, " publishes ", count, " values, the op none");
+    values_->expect(emit::EmittedGraph::publish_tag(node, 255), at::Tensor());
+    return;
+  }
+  TORCH_CHECK(outputs.size() == count, "terra_torch internal error: node ", node, " publishes ", count,
+              " values, the op returned ", outputs.size());
+  for (uint32_t k = 0; k < count; ++k) {
+    const at::Tensor& t = outputs[k];
+    const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
+    const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
+    const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
+    if (!keep) continue;
+    auto [it, inserted] = links_.try_emplace(t.unsafeGetTensorImpl(), Link{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), i});
+    if (!inserted) {
+      values_->retire(it->second.index);  // an in-place op: the newer value is the one to read
+      it->second.index = i;
+    }
+  }
+}
+
+// ---- posting -----------------------------------------------------------------------------------
+
+void PythonRunner::post(Post p) {
+  if (drive_ == Drive::kLazy) pending_.push_back(std::move(p));
+  else send(std::move(p));
+}
+
+void PythonRunner::send(Post p) {
+  switch (p.kind) {
+    case Post::Kind::kDecision:
+      channel_->post_decision(p.id, p.index);
+      return;
+    case Post::Kind::kFeed:
+      channel_->post_feed(p.id, std::move(p.tensor));
+      return;
+    case Post::Kind::kDeferredFeed:
+      channel_->post_feed_deferred(p.id, p.index, std::move(p.tensor));
+      return;
+    case Post::Kind::kGate:
+      channel_->post_gate(p.id);
+      return;
+  }
+}
+
+void PythonRunner::flush() {
+  if (pending_.empty()) return;
+  std::vector<Post> posts;
+  posts.swap(pending_);
+  for (Post& p : posts) send(std::move(p));
+}
+
+// ---- waiting and values ------------------------------------------------------------------------
+
+void PythonRunner::wait_for_graph(int64_t count) {
+  if (values_->published() >= count) return;
+  flush();
+  const auto t0 = Clock::now();
+  struct Account {
+    PythonRunnerStats& s;
+    Clock::time_point t0;
+    ~Account() { s.stall_ns += ns_since(t0); }
+  } account{stats_, t0};
+  GilRelease no_gil;
+  auto last_signal_check = t0;
+  while (!values_->wait_published(count, std::chrono::milliseconds(2))) {
+    if (channel_->cancelled())
+      throw std::runtime_error("terra_torch: the graph was cancelled (" + channel_->cancel_reason() + ")");
+    if (runner_->in_flight() == 0) {
+      drain_outcomes(false);  // rethrows the graph's error, if it failed
+      if (values_->published() >= count) return;
+      throw std::runtime_error("terra_torch internal error: the graph stopped before computing output " +
+                               std::to_string(count - 1) + " of the program");
+    }
+    if (channel_->graph_stuck()) {
+      if (values_->published() >= count) return;
+      const auto w = channel_->graph_waiting_for();
+      std::ostringstream msg;
+      msg << "terra_torch internal error: Python needs output " << count - 1 << " of the program but the graph ("
+          << values_->published() << " published) waits for ";
+      if (w) {
+        msg << (w->kind == GraphWait::Kind::kFeed ? "feed " : w->kind == GraphWait::Kind::kGate ? "gate " : "decision ")
+            << w->id;
+      }
+      throw std::runtime_error(msg.str());
+    }
+    if (Clock::now() - last_signal_check > std::chrono::milliseconds(100)) {
+      last_signal_check = Clock::now();
+      check_signals();
+    }
+  }
+}
+
+void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
+  if (!holder.defined() || !value.defined() || holder.unsafeGetTensorImpl() == value.unsafeGetTensorImpl()) return;
+  ++stats_.materialized;
+  auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
+  if (ph != nullptr && !ph->is_bound()) {
+    ph->bind(value);
+    return;
+  }
+  capture::SuspendGuard no_interception;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+  const_cast<at::Tensor&>(holder).copy_(value);
+}
+
+std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
+  auto it = links_.find(t.unsafeGetTensorImpl());
+  if (it == links_.end() || it->second.impl.expired()) return std::nullopt;
+  return it->second.index;
+}
+
+void PythonRunner::drain_outcomes(bool block) {
+  GilRelease no_gil;
+  while (waited_ < started_) {
+    bool done = false;
+    try {
+      done = runner_->wait_iteration(block ? std::chrono::nanoseconds::max() : std::chrono::nanoseconds(0));
+    } catch (...) {
+      ++waited_;
+      throw;
+    }
+    if (!done) return;
+    ++waited_;
+  }
+}
+
+// ---- divergence and synchronization ------------------------------------------------------------
+
+PythonRunner::Verdict PythonRunner::diverge(std::string reason, int32_t record) {
+  diverged_ = true;
+  reason_ = std::move(reason);
+  divergence_record_ = record;
+  ++stats_.divergences;
+  // Let the graph finish what Python validated (it cannot run past it: side effects wait at
+  // gates), then stop it and give every live placeholder the value it computed.
+  std::string failure;
+  try {
+    wait_for_graph(values_->expected());
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  pending_.clear();
+  channel_->cancel("divergence: " + reason_);
+  try {
+    drain_outcomes(true);
+  } catch (const std::exception&) {
+    // the cancelled iteration fails; earlier ones finished before the wait above returned
+  }
+  runner_->reset();
+  for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
+  values_->clear();
+  links_.clear();
+  if (!failure.empty())
+    throw std::runtime_error("terra_torch: falling back to eager after a divergence (" + reason_ +
+                             ") failed: " + failure);
+  return Verdict::kDiverged;
+}
+
+void PythonRunner::synchronize(bool finish) {
+  if (stopped_) return;
+  flush();
+  wait_for_graph(values_->expected());
+  for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
+  if (finish) {
+    TORCH_CHECK(!in_iteration_, "terra_torch internal error: cannot finish the graph inside an iteration");
+    drain_outcomes(true);
+  }
+}
+
+void PythonRunner::materialize(const at::Tensor& t) {
+  if (stopped_ || !t.defined()) return;
+  const auto linked = linked_index(t);
+  flush();
+  wait_for_graph(values_->expected());
+  if (!linked) {
+    TORCH_CHECK(!capture::is_placeholder(t), "terra_torch: this placeholder has no value the runtime can give it "
+                "(it was made outside the ops terra_torch follows)");
+    return;  // a real tensor: the wait above let the graph finish its updates
+  }
+  std::optional<at::Tensor> v = values_->value(*linked);
+  TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep a live placeholder's value");
+  refresh(t, *v);
+}
+
+void PythonRunner::shut_down() {
+  if (stopped_) return;
+  if (!in_iteration_) synchronize(true);
+  {
+    GilRelease no_gil;
+    runner_->shutdown();
+  }
+  values_->clear();
+  links_.clear();
+  stopped_ = true;
+}
+
+}  // namespace terra::runtime

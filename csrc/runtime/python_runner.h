@@ -1,0 +1,127 @@
+// The PythonRunner of co-execution (BRIEF, "Co-execution phase"; docs/RUNTIME.md): while the
+// user's Python runs an iteration, every aten op it issues comes here (capture::CoExecHook). The
+// op is validated against the TraceGraph by the Cursor in O(1); then the decisions the Cursor
+// took, the external tensors the op reads and the go-ahead for side effects are posted to the
+// GraphRunner, and the op returns placeholders. Python waits only when it needs data.
+//
+// When an op does not match (a divergence), the graph finishes what Python validated and stops,
+// every live placeholder is materialized from the value table, and the rest of the iteration
+// runs eagerly in the capture region (which records it, so the new path can be merged).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "capture/coexec_hook.h"
+#include "emit/captured_program.h"
+#include "emit/emitted_graph.h"
+#include "runtime/channels.h"
+#include "runtime/graph_runner.h"
+#include "runtime/value_table.h"
+#include "trace/cursor.h"
+#include "trace/program.h"
+
+namespace terra::runtime {
+
+struct PythonRunnerStats {
+  int64_t ops = 0;             // ops validated
+  int64_t placeholders = 0;    // ops answered with placeholders
+  int64_t reads = 0;           // ops that waited for data
+  int64_t stall_ns = 0;        // Python blocked waiting for the graph
+  int64_t divergences = 0;
+  int64_t materialized = 0;    // placeholders given their value
+};
+
+// How the graph is driven: co-execution posts as Python goes, so the graph runs alongside;
+// lazy keeps the posts until Python needs a value and then waits for the graph (serialized,
+// the LazyTensor-like baseline).
+enum class Drive { kCoExec, kLazy };
+
+class PythonRunner final : public capture::CoExecHook {
+ public:
+  // `program`, `structured` and `emitted` must outlive the runner (the Session owns them).
+  PythonRunner(const emit::CapturedProgram& program, const trace::Program& structured,
+               const emit::EmittedGraph& emitted, Drive drive);
+  ~PythonRunner() override;
+
+  // ---- iteration boundaries (Python thread) ----
+  void begin_iteration();
+  // Sends the iteration's last decisions; a program that ended where the graph goes on is a
+  // divergence too. Returns true if the iteration diverged (at any point).
+  bool end_iteration();
+  bool diverged() const { return diverged_; }
+  const std::string& divergence_reason() const { return reason_; }
+  // The record index at which the iteration diverged (-1: at its end, or not at all).
+  int32_t divergence_record() const { return divergence_record_; }
+
+  // Waits until the graph has computed everything Python validated, then gives every live
+  // placeholder its value (they stay linked: a later read refreshes them). With `finish`, also
+  // waits for every started graph iteration (the iteration must have ended).
+  void synchronize(bool finish);
+  // Gives `t` its current value (a placeholder, or a tensor the graph updates).
+  void materialize(const at::Tensor& t);
+  // Stops the graph for good (the Session is regenerating it or going away); live placeholders
+  // get their values first.
+  void shut_down();
+
+  PythonRunnerStats stats() const { return stats_; }
+  RunnerStats graph_stats() const { return runner_->stats(); }
+  ChannelStats channel_stats() const { return channel_->stats(); }
+  size_t table_size() const { return values_->size(); }
+
+  // ---- capture::CoExecHook ----
+  Verdict validate(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
+                   c10::ArrayRef<c10::IValue> args, size_t num_outputs, bool needs_data, bool host) override;
+  void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
+
+ private:
+  struct Link {  // a tensor whose current value lives in the value table
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+    int64_t index;
+  };
+  struct Post {  // lazy mode keeps these until Python needs data
+    enum class Kind { kDecision, kFeed, kDeferredFeed, kGate } kind;
+    int64_t id;
+    int64_t index;
+    at::Tensor tensor;
+  };
+
+  Verdict diverge(std::string reason, int32_t record);
+  void post(Post p);  // lazy mode: kept until flush()
+  void send(Post p);
+  void flush();
+  // Waits until the graph has published `count` values of the output sequence; throws if it
+  // failed, was cancelled, or is blocked on something Python has not sent (it never will).
+  void wait_for_graph(int64_t count);
+  void refresh(const at::Tensor& holder, const at::Tensor& value);
+  std::optional<int64_t> linked_index(const at::Tensor& t) const;
+  void drain_outcomes(bool block);
+
+  const emit::CapturedProgram& program_;
+  const trace::Program& structured_;
+  const emit::EmittedGraph& emitted_;
+  const Drive drive_;
+  std::shared_ptr<ConcurrentChannel> channel_;
+  std::shared_ptr<ValueTable> values_;
+  std::unique_ptr<GraphRunner> runner_;
+  trace::Cursor cursor_;
+  std::vector<trace::LoopFrame> loops_;  // scratch
+  std::vector<Post> pending_;            // lazy mode
+  std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
+  std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
+  std::unordered_map<const c10::TensorImpl*, Link> links_;
+  int64_t started_ = 0, waited_ = 0;  // graph iterations
+  bool in_iteration_ = false;
+  bool diverged_ = false;
+  bool stopped_ = false;
+  std::string reason_;
+  int32_t divergence_record_ = -1;
+  PythonRunnerStats stats_;
+};
+
+}  // namespace terra::runtime

@@ -1,0 +1,72 @@
+#include "runtime/session.h"
+
+#include <torch/csrc/jit/ir/ir.h>
+
+#include "emit/graph_emitter.h"
+#include "trace/case_assignment.h"
+#include "trace/cursor.h"
+
+namespace terra::runtime {
+
+Session::~Session() {
+  if (runner_) runner_->shut_down();
+}
+
+bool Session::add(const capture::Region& region) {
+  TORCH_CHECK(!region.is_open(), "terra_torch: a region must be closed before its trace is merged");
+  bool covered = false;
+  if (program_.num_traces() > 0) {
+    const trace::Trace t = program_.translate(region.trace());
+    const trace::Program current = trace::assign_cases(program_.graph());
+    trace::Cursor cursor(current);
+    covered = true;
+    for (const trace::OpRecord& op : t.ops) {
+      if (!cursor.step(op).matched) {
+        covered = false;
+        break;
+      }
+    }
+    covered = covered && cursor.finish().matched;
+  }
+  program_.add(region.trace());
+  return covered;
+}
+
+void Session::build() {
+  if (runner_) {
+    runner_->shut_down();
+    runner_.reset();
+  }
+  structured_ = trace::assign_cases(program_.graph());
+  emitted_ = emit::emit_graph(program_, *structured_,
+                              {.optimize = options_.optimize, .lint = true, .coexec = true});
+  runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive);
+  ++builds_;
+}
+
+PythonRunner& Session::runner() {
+  TORCH_CHECK(runner_ != nullptr, "terra_torch: no graph has been generated yet");
+  return *runner_;
+}
+
+std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame) {
+  PythonRunner& r = runner();
+  auto region = std::make_shared<capture::Region>(&r, stop_frame);
+  r.begin_iteration();
+  region->open();
+  return region;
+}
+
+bool Session::close_region(capture::Region& region) {
+  bool diverged = true;
+  try {
+    diverged = runner().end_iteration();
+  } catch (...) {
+    region.close();
+    throw;
+  }
+  region.close();
+  return diverged;
+}
+
+}  // namespace terra::runtime

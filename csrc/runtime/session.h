@@ -1,0 +1,62 @@
+// One co-executed program (a wrapped model or a terra_torch.function): the traces merged so far,
+// the Program and graph generated from them, and the PythonRunner/GraphRunner pair running that
+// graph. The phases themselves (trace until covered, generate, co-execute, fall back) are
+// decided in Python (terra_torch/runtime.py), which calls these steps.
+#pragma once
+
+#include <Python.h>
+#include <frameobject.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "capture/region.h"
+#include "emit/captured_program.h"
+#include "emit/emitted_graph.h"
+#include "runtime/python_runner.h"
+#include "trace/program.h"
+
+namespace terra::runtime {
+
+struct SessionOptions {
+  Drive drive = Drive::kCoExec;
+  bool optimize = false;  // TorchScript passes on the generated graph
+};
+
+class Session {
+ public:
+  explicit Session(SessionOptions options) : options_(options) {}
+  ~Session();
+
+  // Merges the trace of a closed region. Returns true when the program as it stood already
+  // accepted the trace (the iteration was covered: nothing new was learned).
+  bool add(const capture::Region& region);
+  size_t num_traces() const { return program_.num_traces(); }
+
+  // Generates the graph of everything merged so far and starts a runner for it. A previous
+  // runner is synchronized (its live placeholders get their values) and shut down first.
+  void build();
+  bool has_runner() const { return runner_ != nullptr; }
+  PythonRunner& runner();
+
+  // A co-execution region whose ops the runner validates; its graph iteration is started.
+  std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame);
+  // Ends the iteration and closes the region. Returns true if it diverged.
+  bool close_region(capture::Region& region);
+
+  const emit::CapturedProgram& program() const { return program_; }
+  const trace::Program* structured() const { return structured_ ? &*structured_ : nullptr; }
+  const emit::EmittedGraph* emitted() const { return emitted_ ? &*emitted_ : nullptr; }
+  int64_t builds() const { return builds_; }
+
+ private:
+  SessionOptions options_;
+  emit::CapturedProgram program_;
+  std::optional<trace::Program> structured_;
+  std::optional<emit::EmittedGraph> emitted_;
+  std::unique_ptr<PythonRunner> runner_;  // points into structured_ and emitted_
+  int64_t builds_ = 0;
+};
+
+}  // namespace terra::runtime

@@ -1,0 +1,132 @@
+// ValueTable: one mutex, one condition variable (Python waits for the graph to publish).
+//
+// Tensors are never destroyed under mu_: a tensor whose Python object C++ kept alive takes the
+// GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
+#include "runtime/value_table.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace terra::runtime {
+
+void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published_tag) {
+  throw std::runtime_error("terra_torch internal error: output " + std::to_string(index) +
+                           " of the program is node " + std::to_string(expected_tag >> 8) + " output " +
+                           std::to_string(expected_tag & 255) + " for Python but node " +
+                           std::to_string(published_tag >> 8) + " output " + std::to_string(published_tag & 255) +
+                           " for the graph");
+}
+
+void ValueTable::publish(int64_t tag, at::Tensor value) {
+  at::Tensor dropped;  // dies after the lock is released
+  {
+    std::lock_guard lock(mu_);
+    const int64_t index = published_++;
+    Entry& e = entries_[index];
+    e.published = true;
+    if (e.expected) {
+      if (e.tag != tag) mismatch(index, e.tag, tag);
+      if (dead(e)) {
+        dropped = std::move(value);
+        entries_.erase(index);
+      } else {
+        e.value = std::move(value);
+      }
+    } else {
+      e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
+      e.value = std::move(value);
+    }
+  }
+  cv_.notify_all();
+}
+
+int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
+  at::Tensor dropped;
+  std::lock_guard lock(mu_);
+  const int64_t index = expected_++;
+  Entry& e = entries_[index];
+  if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
+  e.tag = tag;
+  e.expected = true;
+  if (holder.defined()) e.holder.emplace(holder.getIntrusivePtr());
+  if (e.published && !holder.defined()) {
+    dropped = std::move(e.value);
+    entries_.erase(index);
+  }
+  return index;
+}
+
+void ValueTable::retire(int64_t index) {
+  at::Tensor dropped;
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(index);
+  if (it == entries_.end()) return;
+  if (it->second.published) {
+    dropped = std::move(it->second.value);
+    entries_.erase(it);
+  } else {
+    it->second.holder.reset();  // the graph's value is dropped when it arrives
+  }
+}
+
+std::optional<at::Tensor> ValueTable::value(int64_t index) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(index);
+  if (it == entries_.end() || !it->second.published) return std::nullopt;
+  return it->second.value;
+}
+
+int64_t ValueTable::published() const {
+  std::lock_guard lock(mu_);
+  return published_;
+}
+
+int64_t ValueTable::expected() const {
+  std::lock_guard lock(mu_);
+  return expected_;
+}
+
+bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
+  std::unique_lock lock(mu_);
+  return cv_.wait_for(lock, slice, [&] { return published_ >= count; });
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  std::lock_guard lock(mu_);
+  for (const auto& [index, e] : entries_) {
+    if (!e.published || !e.holder) continue;
+    auto impl = e.holder->lock();
+    if (!impl) continue;
+    out.emplace_back(at::Tensor(std::move(impl)), e.value);
+  }
+  return out;
+}
+
+void ValueTable::sweep() {
+  std::vector<at::Tensor> dropped;
+  std::lock_guard lock(mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.expected && it->second.published && dead(it->second)) {
+      dropped.push_back(std::move(it->second.value));
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ValueTable::clear() {
+  std::unordered_map<int64_t, Entry> dropped;
+  std::lock_guard lock(mu_);
+  dropped.swap(entries_);
+  published_ = 0;
+  expected_ = 0;
+}
+
+size_t ValueTable::size() const {
+  std::lock_guard lock(mu_);
+  return entries_.size();
+}
+
+}  // namespace terra::runtime

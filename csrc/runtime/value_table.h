@@ -1,0 +1,76 @@
+// The values behind placeholders during co-execution (docs/RUNTIME.md, "Placeholders and the
+// output sequence").
+//
+// Both runners walk the same program, so both see the same sequence of op outputs: the graph
+// publishes output i of the sequence (terra::publish) when it has computed it, the Python side
+// hands out a placeholder for output i when it validates the op. Index i is the meeting point.
+// An entry keeps the graph's value only while Python still holds the placeholder (or has not
+// reached it yet), so dead temporaries cost a hash lookup and nothing else, and every live
+// placeholder can be materialized from a value the graph already computed: for a read, for a
+// fall back to eager at a divergence, or for a feed into the next iteration.
+//
+// Each entry also carries the tag (node, output) both sides expect, so a disagreement about the
+// sequence is an error at the first differing value rather than a wrong number later.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace terra::runtime {
+
+class ValueTable {
+ public:
+  // ---- graph side ----
+  // Output number published() of the sequence. Throws std::runtime_error on a tag mismatch.
+  void publish(int64_t tag, at::Tensor value);
+
+  // ---- Python side ----
+  // Claims the next index for a value with `tag`; `holder` (the placeholder, or undefined when
+  // Python keeps nothing) decides how long the value stays. Returns the index.
+  int64_t expect(int64_t tag, const at::Tensor& holder);
+  // Python is done with `index` (a placeholder that has moved on to a newer index).
+  void retire(int64_t index);
+  // The graph's value at `index`, if it has been published and kept.
+  std::optional<at::Tensor> value(int64_t index) const;
+  int64_t published() const;
+  int64_t expected() const;
+  // Waits until published() >= count or `slice` has passed. True when reached.
+  bool wait_published(int64_t count, std::chrono::nanoseconds slice);
+  // Wakes waiters so that they re-check other conditions (the graph blocked or failed).
+  void notify() { cv_.notify_all(); }
+  // Live holders and their values, for materializing everything at a divergence.
+  std::vector<std::pair<at::Tensor, at::Tensor>> live_values() const;
+  // Drops every entry whose holder has died and that both sides have passed.
+  void sweep();
+  // Forgets everything and restarts both counters at 0 (the graph must be stopped).
+  void clear();
+  size_t size() const;
+
+ private:
+  struct Entry {
+    int64_t tag = -1;
+    bool expected = false;
+    bool published = false;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> holder;
+    at::Tensor value;
+  };
+  static bool dead(const Entry& e) { return !e.holder || e.holder->expired(); }
+  [[noreturn]] static void mismatch(int64_t index, int64_t expected_tag, int64_t published_tag);
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<int64_t, Entry> entries_;
+  int64_t published_ = 0;
+  int64_t expected_ = 0;
+};
+
+}  // namespace terra::runtime

@@ -1,0 +1,43 @@
+"""Python-level reads of tensor data that no aten op sees.
+
+`t.numpy()`, `t.tolist()`, `np.asarray(t)` and pickling read a tensor's memory directly, not
+through the dispatcher, so the PythonRunner never hears of them. These wrappers give a
+placeholder its value first (and, for a real tensor the graph may update in place, wait for the
+graph to catch up with Python) while a co-executed iteration is open; otherwise they cost one
+attribute check.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from terra_torch import runtime
+
+_READS = ("numpy", "tolist", "__array__", "__reduce_ex__", "__dlpack__", "data_ptr", "untyped_storage")
+_installed = False
+
+
+def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        program = runtime.active()
+        if program is not None and program._region_phase == "coexec":
+            program.materialize(self)
+        return original(self, *args, **kwargs)
+
+    read._terra_original = original  # type: ignore[attr-defined]
+    return read
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    for name in _READS:
+        original = getattr(torch.Tensor, name, None)
+        if original is not None:
+            setattr(torch.Tensor, name, _reading(name, original))
+    _installed = True

@@ -1,0 +1,108 @@
+"""The user-facing entry points of co-execution: wrap, function, unwrap, synchronize, stats.
+
+    model = terra_torch.wrap(model)          # iteration boundary: each forward call
+    for x, y in data:
+        loss = loss_fn(model(x), y)          # placeholders; the graph computes them
+        opt.zero_grad(); loss.backward(); opt.step()
+        if step % 10 == 0:
+            print(loss.item())               # waits for the value, nothing else does
+    terra_torch.synchronize()                # parameters are final (state_dict() does this too)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from terra_torch import runtime
+from terra_torch.runtime import Program, Stats
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MODES = ("coexec", "lazy", "trace")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"terra_torch: mode must be one of {', '.join(_MODES)}; got {mode!r}")
+
+
+def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False) -> torch.nn.Module:
+    """Co-execute everything between two forward calls of `model` (returns the same module).
+
+    mode: "coexec" (graph on a worker thread, overlapping Python), "lazy" (the graph runs only
+    when Python needs a value: serialized, the LazyTensor-like baseline), "trace" (record only).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"terra_torch.wrap expects a torch.nn.Module, got {type(model).__name__}")
+    _check_mode(mode)
+    if getattr(model, "_terra_program", None) is not None:
+        raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
+    program = Program(type(model).__name__, mode, optimize)
+
+    def begin(module: torch.nn.Module, args: Any) -> None:
+        program.begin(runtime._stop_frame())
+
+    def sync_before_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        program.synchronize()
+
+    model._terra_program = program  # type: ignore[attr-defined]
+    model._terra_handles = [  # type: ignore[attr-defined]
+        model.register_forward_pre_hook(begin),
+        model.register_state_dict_pre_hook(sync_before_state_dict),
+        model._register_load_state_dict_pre_hook(lambda *a, **k: program.synchronize()),
+    ]
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Finish the graph's work, give every placeholder its value, and run eagerly from now on."""
+    program = _program_of(model)
+    program.close()
+    for h in model._terra_handles:  # type: ignore[attr-defined]
+        h.remove()
+    del model._terra_handles  # type: ignore[attr-defined]
+    model._terra_program = None  # type: ignore[attr-defined]
+    return model
+
+
+def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool = False) -> Any:
+    """Decorator: each call of a training-step function starts an iteration (which runs until the
+    next call, so reading its results between calls is part of the iteration)."""
+    _check_mode(mode)
+
+    def decorate(f: F) -> F:
+        program = Program(getattr(f, "__qualname__", "function"), mode, optimize)
+
+        @functools.wraps(f)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            program.begin(runtime._stop_frame())
+            return f(*args, **kwargs)
+
+        step._terra_program = program  # type: ignore[attr-defined]
+        return step  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def synchronize(obj: Any = None) -> None:
+    """Wait for the graph: parameters and every live placeholder get their final values. With no
+    argument, every program; ends the open iteration (the next call starts a new one)."""
+    if obj is None:
+        runtime.synchronize_all()
+    else:
+        _program_of(obj).synchronize()
+
+
+def stats(obj: Any) -> Stats:
+    """Iterations per phase, transitions, fallbacks, PythonRunner and GraphRunner exec/stall time."""
+    return _program_of(obj).stats()
+
+
+def _program_of(obj: Any) -> Program:
+    program = getattr(obj, "_terra_program", None)
+    if program is None:
+        raise ValueError(f"terra_torch: {type(obj).__name__} is not wrapped by terra_torch.wrap / terra_torch.function")
+    return program

@@ -1,0 +1,229 @@
+"""Co-execution of an imperative PyTorch program (BRIEF, "How it works"; docs/RUNTIME.md).
+
+A `Program` is one co-executed training loop: a wrapped model (`terra_torch.wrap`) or a step
+function (`@terra_torch.function`). Its iterations go through the paper's phases:
+
+* tracing: the iteration runs eagerly in a recording region; its trace is merged into the
+  TraceGraph. When an iteration adds nothing new (the graph already covered it), the graph is
+  generated and the next iteration co-executes;
+* co-execution: every op is validated against the TraceGraph and answered with a placeholder
+  while the generated graph runs on a C++ worker thread; Python waits only for data;
+* fallback: an op the graph does not have (a divergence) stops the graph where Python was, gives
+  every live placeholder its value, and the iteration finishes eagerly; its trace is merged and
+  the program goes back to tracing.
+
+An iteration runs from one call of the model (or function) to the next: the loss, backward,
+optimizer step and logging between two forward calls belong to it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Callable
+
+import torch
+
+from terra_torch import _C
+
+logger = logging.getLogger("terra_torch")
+
+PHASES = ("tracing", "coexec")
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+@dataclass
+class Fallback:
+    """One divergence: the iteration fell back to eager here."""
+
+    iteration: int
+    reason: str
+    source_line: str
+
+
+@dataclass
+class Stats:
+    """What `terra_torch.stats(model)` returns. Times in seconds."""
+
+    iterations: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    transitions: list[tuple[int, str, str]] = field(default_factory=list)  # (iteration, from, to)
+    fallbacks: int = 0
+    graph_builds: int = 0
+    python_exec_s: float = 0.0  # PythonRunner: time in co-executed iterations minus its stalls
+    python_stall_s: float = 0.0  # PythonRunner blocked on the graph (reads, fallbacks)
+    graph_exec_s: float = 0.0  # GraphRunner: running the graph minus its stalls
+    graph_stall_s: float = 0.0  # GraphRunner blocked on decisions, feeds and gates
+    tracing_s: float = 0.0  # time in traced (eager, recorded) iterations
+    runner: dict[str, int] = field(default_factory=dict)  # raw counters of the C++ runners
+
+
+_active: Program | None = None  # the program whose iteration is open (one region at a time)
+_programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
+_lock = threading.RLock()
+
+
+def _stop_frame() -> FrameType | None:
+    """The user's frame that called into the model or function: locations are relative to it."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or
+                             f.f_code.co_filename.startswith(_OWN_DIR)):
+        f = f.f_back
+    return f
+
+
+class Program:
+    """One co-executed program and its phase machine."""
+
+    def __init__(self, name: str, mode: str = "coexec", optimize: bool = False) -> None:
+        if mode not in ("coexec", "lazy", "trace"):
+            raise ValueError(f"terra_torch: mode must be 'coexec', 'lazy' or 'trace', got {mode!r}")
+        self.name = name
+        self.mode = mode
+        self.phase = "tracing"
+        self.iteration = 0
+        self.fallbacks: list[Fallback] = []
+        self._stats = Stats()
+        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize)
+        self._region: Any = None
+        self._region_phase = ""
+        self._t0 = 0
+        self._stall0 = 0
+        _programs.add(self)
+
+    # ---- iteration boundaries -----------------------------------------------------------------
+
+    def begin(self, stop_frame: FrameType | None) -> None:
+        """Start an iteration (ending the open one, of this or another program)."""
+        global _active
+        with _lock:
+            if _active is not None:
+                previous = _active
+                previous.end()
+                if previous is not self:
+                    # Values flow between programs only as real tensors.
+                    previous._session.synchronize(True)
+            if self.phase == "coexec":
+                self._region = self._session.open(stop_frame)
+            else:
+                self._region = _C.Region("record", stop_frame)
+                self._region.open()
+            self._region_phase = self.phase
+            self._stall0 = self._runner_stat("python_stall_ns")
+            self._t0 = time.perf_counter_ns()
+            _active = self
+
+    def end(self) -> None:
+        """End the open iteration: merge its trace, move between phases."""
+        global _active
+        with _lock:
+            region, self._region = self._region, None
+            if _active is self:
+                _active = None
+            if region is None:
+                return
+            phase = self._region_phase
+            elapsed = (time.perf_counter_ns() - self._t0) / 1e9
+            self._stats.iterations[phase] += 1
+            if phase == "coexec":
+                diverged = self._session.close(region)
+                stall = (self._runner_stat("python_stall_ns") - self._stall0) / 1e9
+                self._stats.python_stall_s += stall
+                self._stats.python_exec_s += max(0.0, elapsed - stall)
+                if diverged:
+                    self._record_fallback(region)
+                    self._session.add(region)
+                    self._move("tracing")
+            else:
+                region.close()
+                self._stats.tracing_s += elapsed
+                covered = self._session.add(region)
+                if covered and self.mode != "trace":
+                    self._session.build()
+                    self._stats.graph_builds += 1
+                    self._move("coexec")
+            self.iteration += 1
+
+    def synchronize(self) -> None:
+        """End the open iteration, wait for the graph, give every live placeholder its value."""
+        with _lock:
+            self.end()
+            self._session.synchronize(True)
+
+    def materialize(self, t: torch.Tensor) -> None:
+        self._session.materialize(t)
+
+    def close(self) -> None:
+        """Synchronize and stop the graph for good."""
+        with _lock:
+            self.synchronize()
+            self._session.shut_down()
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        s = self._stats
+        raw = dict(self._session.stats)
+        s.runner = raw
+        s.fallbacks = len(self.fallbacks)
+        s.graph_exec_s = max(0, raw.get("graph_exec_ns", 0) - raw.get("graph_stall_ns", 0)) / 1e9
+        s.graph_stall_s = raw.get("graph_stall_ns", 0) / 1e9
+        return s
+
+    @property
+    def graph_text(self) -> str:
+        return self._session.text
+
+    def _runner_stat(self, name: str) -> int:
+        return int(self._session.stats.get(name, 0))
+
+    def _move(self, phase: str) -> None:
+        old, self.phase = self.phase, phase
+        self._stats.transitions.append((self.iteration, old, phase))
+        logger.info("%s: iteration %d: %s -> %s", self.name, self.iteration, old, phase)
+
+    def _record_fallback(self, region: Any) -> None:
+        reason, record = self._session.divergence()
+        line = "<end of iteration>"
+        if record >= 0:
+            ops = region.ops()
+            if record < len(ops):
+                line = _user_line(region, ops[record][5])
+        self.fallbacks.append(Fallback(self.iteration, reason, line))
+        logger.info("%s: iteration %d fell back to eager at %s: %s", self.name, self.iteration, line, reason)
+
+
+def _user_line(region: Any, location: int) -> str:
+    frames = region.describe_location(location)
+    for frame in reversed(frames):
+        if not frame.startswith(_TORCH_DIR) and not frame.startswith("backward:"):
+            return frame
+    return frames[-1] if frames else f"<location {location:#x}>"
+
+
+def active() -> Program | None:
+    return _active
+
+
+def synchronize_all() -> None:
+    for p in list(_programs):
+        p.synchronize()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Runs before _C's own atexit hook (registered earlier): the graphs finish their work and
+    # the placeholders a program still holds get their values.
+    for p in list(_programs):
+        try:
+            p.close()
+        except Exception as e:  # noqa: BLE001 - exit must go on
+            logger.warning("terra_torch: closing %s at exit failed: %s", p.name, e)
