@@ -5,6 +5,10 @@ through the dispatcher, so the PythonRunner never hears of them. These wrappers 
 placeholder its value first (and, for a real tensor the graph may update in place, wait for the
 graph to catch up with Python) while a co-executed iteration is open; otherwise they cost one
 attribute check.
+
+torch implements some of these reads with internal ops (numpy() detaches first); they are no
+ops of the user's program, so they run with interception suspended in every phase, which keeps
+traced and co-executed iterations alike.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from terra_torch import runtime
+from terra_torch import _C, runtime
 
 _READS = ("numpy", "tolist", "__array__", "__reduce_ex__", "__dlpack__", "data_ptr", "untyped_storage")
 _installed = False
@@ -24,9 +28,15 @@ def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         program = runtime.active()
-        if program is not None and program._region_phase == "coexec":
+        if program is None or program._region_phase != "coexec":
+            if _C.is_placeholder(self):  # no runtime can give it a value here
+                raise RuntimeError(_C.placeholder_error(self))
+            if program is None:
+                return original(self, *args, **kwargs)
+        if program._region_phase == "coexec":
             program.materialize(self)
-        return original(self, *args, **kwargs)
+        with _C.suspended():
+            return original(self, *args, **kwargs)
 
     read._terra_original = original  # type: ignore[attr-defined]
     return read

@@ -35,7 +35,7 @@ from terra_torch import _C
 
 logger = logging.getLogger("terra_torch")
 
-PHASES = ("tracing", "coexec")
+PHASES = ("tracing", "coexec", "eager")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -111,30 +111,37 @@ class Program:
                 if previous is not self:
                     # Values flow between programs only as real tensors.
                     previous._session.synchronize(True)
+            self._region_phase = self.phase
+            self._t0 = time.perf_counter_ns()
+            _active = self
+            if self.phase == "eager":
+                return
             if self.phase == "coexec":
                 self._region = self._session.open(stop_frame)
             else:
                 self._region = _C.Region("record", stop_frame)
                 self._region.open()
-            self._region_phase = self.phase
             self._stall0 = self._runner_stat("python_stall_ns")
-            self._t0 = time.perf_counter_ns()
-            _active = self
 
-    def end(self) -> None:
-        """End the open iteration: merge its trace, move between phases."""
+    def end(self, partial: bool = False) -> None:
+        """End the open iteration: merge its trace, move between phases. `partial`: the iteration
+        was cut short (synchronize), so its trace teaches nothing and is not merged."""
         global _active
         with _lock:
             region, self._region = self._region, None
             if _active is self:
                 _active = None
             if region is None:
+                if self.phase == "eager" and self._t0:
+                    self._stats.iterations["eager"] += 1
+                    self.iteration += 1
+                    self._t0 = 0
                 return
             phase = self._region_phase
             elapsed = (time.perf_counter_ns() - self._t0) / 1e9
             self._stats.iterations[phase] += 1
             if phase == "coexec":
-                diverged = self._session.close(region)
+                diverged = self._session.close(region, partial)
                 stall = (self._runner_stat("python_stall_ns") - self._stall0) / 1e9
                 self._stats.python_stall_s += stall
                 self._stats.python_exec_s += max(0.0, elapsed - stall)
@@ -145,17 +152,27 @@ class Program:
             else:
                 region.close()
                 self._stats.tracing_s += elapsed
+                if partial:
+                    self.iteration += 1
+                    return
                 covered = self._session.add(region)
                 if covered and self.mode != "trace":
-                    self._session.build()
-                    self._stats.graph_builds += 1
-                    self._move("coexec")
+                    try:
+                        self._session.build()
+                    except RuntimeError as e:
+                        # Not expressible as a graph: stay correct, run eagerly from now on.
+                        self.fallbacks.append(Fallback(self.iteration, str(e), "<graph generation>"))
+                        logger.warning("%s: running eagerly: %s", self.name, e)
+                        self._move("eager")
+                    else:
+                        self._stats.graph_builds += 1
+                        self._move("coexec")
             self.iteration += 1
 
     def synchronize(self) -> None:
         """End the open iteration, wait for the graph, give every live placeholder its value."""
         with _lock:
-            self.end()
+            self.end(partial=True)
             self._session.synchronize(True)
 
     def materialize(self, t: torch.Tensor) -> None:

@@ -52,7 +52,10 @@ PlaceholderImpl::PlaceholderImpl(c10::Storage storage, const TensorMeta& meta,
     : c10::TensorImpl(std::move(storage), terra_keyset(), c10::scalarTypeToTypeMeta(meta.dtype)),
       producer_(producer) {
   set_meta(meta);
-  set_storage_access_should_throw();
+  // Storage access itself stays allowed: the autograd engine asks a gradient's storage for its
+  // use count before accumulating into it. Data access still fails (a dataless storage is "not
+  // allocated", which typed data_ptr<T>() checks), and terra_torch/_materialize.py turns
+  // Python-level reads of a placeholder into its value or an error naming its producer.
 }
 
 void PlaceholderImpl::set_meta(const TensorMeta& meta) {

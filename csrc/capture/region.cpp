@@ -43,6 +43,14 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
   return h;  // None, Generator, ...: the tag says enough
 }
 
+at::Tensor copy_wrapped_number(const at::Tensor& t) {
+  SuspendGuard no_interception;
+  c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
+  at::Tensor copy = t.clone();
+  copy.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return copy;
+}
+
 bool is_tensor_like(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
 }
@@ -103,6 +111,17 @@ ValueRef Region::reference(const at::Tensor& t) {
           return alias->ref;
       }
     }
+  }
+  if (impl->is_wrapped_number()) {
+    // The arg parser's wrapped Python scalars live for one call and do not own their memory
+    // beyond it: keep a copy (the graph reads it when it is fed), which is also the identity.
+    // Not deduplicated by address: the next object at that address is another tensor.
+    at::Tensor kept = copy_wrapped_number(t);
+    trace_.externals.push_back({meta_of(t), kept.unsafeGetTensorImpl()});
+    externals_alive_.push_back(std::move(kept));
+    ValueRef ref;
+    ref.external = static_cast<int32_t>(trace_.externals.size() - 1);
+    return ref;
   }
   auto [ext, inserted] = external_index_.try_emplace(impl, static_cast<int32_t>(trace_.externals.size()));
   if (inserted) {

@@ -43,6 +43,7 @@ void key_tensor(std::vector<int64_t>& key, const at::Tensor& t) {
   for (int64_t s : t.sizes()) key.push_back(s);
   for (int64_t s : t.strides()) key.push_back(s);
   key.push_back(t.storage_offset());
+  key.push_back(t.unsafeGetTensorImpl()->is_wrapped_number());
 }
 
 void key_ivalue(std::vector<int64_t>& key, const c10::IValue& v) {
@@ -75,6 +76,10 @@ void key_ivalue(std::vector<int64_t>& key, const c10::IValue& v) {
 at::Tensor to_meta(const at::Tensor& t) {
   if (!t.defined()) return t;
   auto options = at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta);
+  // A Python scalar the arg parser wrapped stays as it is: a CPU scalar mixes with meta tensors,
+  // keeps its wrapped-number rank in type promotion (float32 * 0.5 stays float32), and Python
+  // meta kernels can turn it back into a number.
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
   if (t.storage_offset() == 0) return at::empty_strided(t.sizes(), t.strides(), options);
   int64_t extent = t.storage_offset() + 1;
   for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);

@@ -77,15 +77,7 @@ bool is_read_op(const c10::FunctionSchema& schema) {
   return true;
 }
 
-std::vector<at::Tensor> external_tensors(const capture::Region& region) {
-  std::vector<at::Tensor> out;
-  out.reserve(region.trace().externals.size());
-  for (const capture::ExternalInput& e : region.trace().externals) {
-    auto* impl = const_cast<c10::TensorImpl*>(static_cast<const c10::TensorImpl*>(e.identity));
-    out.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(impl));
-  }
-  return out;
-}
+std::vector<at::Tensor> external_tensors(const capture::Region& region) { return region.external_tensors(); }
 
 CapturedProgram::CapturedProgram() { feed_ids_.emplace(nullptr, kWrappedScalarFeed); }
 

@@ -275,6 +275,9 @@ class Emitter {
       std::sort(arg_slots.begin(), arg_slots.end());
       switch (k) {
         case TensorKind::kNone:
+          if (attrs.at(next).isGenerator())  // a constant would replay one generator object forever
+            throw std::runtime_error("terra_torch: cannot generate a graph for " + op_name(info.op) +
+                                     ": it draws from a torch.Generator passed as an argument");
           out.push_back(constant(attrs.at(next++)));
           break;
         case TensorKind::kTensor:

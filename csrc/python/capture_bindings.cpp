@@ -6,7 +6,10 @@
 
 #include "capture/interceptor.h"
 #include "capture/placeholder.h"
+#include <optional>
+
 #include "capture/region.h"
+#include "capture/terra_key.h"
 #include "capture/shape_inference.h"
 #include "python/bindings.h"
 
@@ -55,7 +58,22 @@ void init_capture(py::module_& m) {
         "Give CompositeExplicitAutograd ops a direct kernel on terra's key; returns how many");
   m.def("is_placeholder", &capture::is_placeholder);
   m.def("bind_placeholder", &capture::bind_placeholder, "Give a placeholder its value (materialization)");
+  m.def("placeholder_error", [](const at::Tensor& t) -> std::string {
+    auto* impl = dynamic_cast<capture::PlaceholderImpl*>(t.unsafeGetTensorImpl());
+    TORCH_CHECK(impl != nullptr, "terra_torch: placeholder_error needs a placeholder tensor");
+    return std::string("Cannot access the data of a ") + impl->tensorimpl_type_name();
+  });
   m.def("shape_cache_size", &capture::shape_cache_size);
+
+  // `with _C.suspended():` runs Python code with interception off on this thread (reads of
+  // tensor memory that torch implements with internal ops, which are no ops of the program).
+  struct Suspended {
+    std::optional<capture::SuspendGuard> guard;
+  };
+  py::class_<Suspended>(m, "suspended")
+      .def(py::init<>())
+      .def("__enter__", [](Suspended& s) { s.guard.emplace(); })
+      .def("__exit__", [](Suspended& s, py::args) { s.guard.reset(); });
 
   py::class_<Region, std::shared_ptr<Region>>(m, "Region")
       .def(py::init([](const std::string& mode, py::object stop_frame) {

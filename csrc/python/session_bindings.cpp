@@ -69,7 +69,9 @@ void init_session(py::module_& m) {
             return s.open_region(frame);
           },
           py::arg("stop_frame"))
-      .def("close", [](Session& s, capture::Region& region) { return s.close_region(region); }, py::arg("region"))
+      .def(
+          "close", [](Session& s, capture::Region& region, bool partial) { return s.close_region(region, partial); },
+          py::arg("region"), py::arg("partial") = false)
       .def("divergence",
            [](Session& s) -> py::object {
              if (!s.has_runner() || !s.runner().diverged()) return py::none();

@@ -101,10 +101,15 @@ void PythonRunner::begin_iteration() {
   in_iteration_ = true;
 }
 
-bool PythonRunner::end_iteration() {
+bool PythonRunner::end_iteration(bool partial) {
   TORCH_CHECK(in_iteration_, "terra_torch internal error: no iteration to end");
   if (!diverged_) {
     const trace::Match m = cursor_.finish();
+    if (!m.matched && partial) {
+      in_iteration_ = false;
+      stop_and_materialize("the iteration was ended early by synchronize()");
+      return false;
+    }
     if (!m.matched) {
       diverge("the iteration ended where the traced iterations went on", -1);
     } else {
@@ -226,11 +231,11 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
-    auto [it, inserted] = links_.try_emplace(t.unsafeGetTensorImpl(), Link{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), i});
-    if (!inserted) {
-      values_->retire(it->second.index);  // an in-place op: the newer value is the one to read
-      it->second.index = i;
-    }
+    Link link{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), i};
+    auto [it, inserted] = links_.try_emplace(t.unsafeGetTensorImpl(), link);
+    if (inserted) continue;
+    if (!it->second.impl.expired()) values_->retire(it->second.index);  // in place: read the newer value
+    it->second = std::move(link);  // (an expired entry: a new tensor at a dead one's address)
   }
 }
 
@@ -347,6 +352,11 @@ PythonRunner::Verdict PythonRunner::diverge(std::string reason, int32_t record) 
   reason_ = std::move(reason);
   divergence_record_ = record;
   ++stats_.divergences;
+  stop_and_materialize("divergence: " + reason_);
+  return Verdict::kDiverged;
+}
+
+void PythonRunner::stop_and_materialize(const std::string& why) {
   // Let the graph finish what Python validated (it cannot run past it: side effects wait at
   // gates), then stop it and give every live placeholder the value it computed.
   std::string failure;
@@ -356,7 +366,7 @@ PythonRunner::Verdict PythonRunner::diverge(std::string reason, int32_t record) 
     failure = e.what();
   }
   pending_.clear();
-  channel_->cancel("divergence: " + reason_);
+  channel_->cancel(why);
   try {
     drain_outcomes(true);
   } catch (const std::exception&) {
@@ -367,9 +377,7 @@ PythonRunner::Verdict PythonRunner::diverge(std::string reason, int32_t record) 
   values_->clear();
   links_.clear();
   if (!failure.empty())
-    throw std::runtime_error("terra_torch: falling back to eager after a divergence (" + reason_ +
-                             ") failed: " + failure);
-  return Verdict::kDiverged;
+    throw std::runtime_error("terra_torch: stopping the graph (" + why + ") failed: " + failure);
 }
 
 void PythonRunner::synchronize(bool finish) {

@@ -52,8 +52,10 @@ class PythonRunner final : public capture::CoExecHook {
   // ---- iteration boundaries (Python thread) ----
   void begin_iteration();
   // Sends the iteration's last decisions; a program that ended where the graph goes on is a
-  // divergence too. Returns true if the iteration diverged (at any point).
-  bool end_iteration();
+  // divergence too, unless `partial` (synchronize() ended the iteration early: the graph is
+  // stopped and placeholders materialized, but nothing was learned). Returns true if the
+  // iteration diverged (at any point).
+  bool end_iteration(bool partial = false);
   bool diverged() const { return diverged_; }
   const std::string& divergence_reason() const { return reason_; }
   // The record index at which the iteration diverged (-1: at its end, or not at all).
@@ -92,6 +94,7 @@ class PythonRunner final : public capture::CoExecHook {
   };
 
   Verdict diverge(std::string reason, int32_t record);
+  void stop_and_materialize(const std::string& why);
   void post(Post p);  // lazy mode: kept until flush()
   void send(Post p);
   void flush();

@@ -52,15 +52,20 @@ PythonRunner& Session::runner() {
 std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame) {
   PythonRunner& r = runner();
   auto region = std::make_shared<capture::Region>(&r, stop_frame);
-  r.begin_iteration();
   region->open();
+  try {
+    r.begin_iteration();
+  } catch (...) {
+    region->close();
+    throw;
+  }
   return region;
 }
 
-bool Session::close_region(capture::Region& region) {
+bool Session::close_region(capture::Region& region, bool partial) {
   bool diverged = true;
   try {
-    diverged = runner().end_iteration();
+    diverged = runner().end_iteration(partial);
   } catch (...) {
     region.close();
     throw;

@@ -42,8 +42,9 @@ class Session {
 
   // A co-execution region whose ops the runner validates; its graph iteration is started.
   std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame);
-  // Ends the iteration and closes the region. Returns true if it diverged.
-  bool close_region(capture::Region& region);
+  // Ends the iteration and closes the region. Returns true if it diverged. `partial`: see
+  // PythonRunner::end_iteration.
+  bool close_region(capture::Region& region, bool partial = false);
 
   const emit::CapturedProgram& program() const { return program_; }
   const trace::Program* structured() const { return structured_ ? &*structured_ : nullptr; }

@@ -1,0 +1,448 @@
+"""Co-execution against eager (issue 5, item 7): each program trains 50 iterations eagerly and
+under terra_torch.wrap from the same seed; the logged values and the final parameters must match
+bitwise, the runtime must have reached the co-execution phase, and the fallbacks are counted."""
+
+from __future__ import annotations
+
+import io
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+
+STEPS = 50
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    """A failing test must not leave its iteration open for the next one."""
+    yield
+    from terra_torch import runtime
+    for program in list(runtime._programs):
+        try:
+            program.close()
+        except Exception:  # noqa: BLE001
+            pass
+    runtime._active = None
+
+
+@dataclass
+class Run:
+    log: list[Any]
+    params: list[torch.Tensor]
+    printed: str
+    stats: Any = None
+
+
+def run(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer, dict]],
+        step: Callable[[nn.Module, torch.optim.Optimizer, int, list, dict], None],
+        terra: bool, steps: int = STEPS, mode: str = "coexec") -> Run:
+    torch.manual_seed(0)
+    model, opt, state = make()
+    if terra:
+        model = terra_torch.wrap(model, mode=mode)
+    log: list[Any] = []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i in range(steps):
+            step(model, opt, i, log, state)
+    stats = None
+    if terra:
+        terra_torch.synchronize()
+        stats = terra_torch.stats(model)
+        terra_torch.unwrap(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    return Run(log, params, out.getvalue(), stats)
+
+
+def check(make, step, max_fallbacks: int, steps: int = STEPS, mode: str = "coexec") -> Run:
+    eager = run(make, step, terra=False, steps=steps)
+    terra = run(make, step, terra=True, steps=steps, mode=mode)
+    assert terra.log == eager.log
+    assert terra.printed == eager.printed
+    for a, b in zip(eager.params, terra.params):
+        assert torch.equal(a, b)
+    st = terra.stats
+    assert st.iterations["coexec"] > 0, st
+    assert st.fallbacks <= max_fallbacks, (st.fallbacks, [f.reason for f in terra_fallbacks(st)])
+    return terra
+
+
+def terra_fallbacks(st) -> list:
+    return []
+
+
+def mlp(d_in: int = 8, hidden: int = 16, d_out: int = 1) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+_g = torch.Generator().manual_seed(1000)
+DATASET = [(torch.randn(4, 8, generator=_g), torch.randn(4, 1, generator=_g)) for _ in range(7)]
+
+
+def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return DATASET[i % len(DATASET)]
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+
+
+def plain_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+# (a) a numpy call on a fetched value whose result feeds back in
+def test_a_numpy_feedback():
+    def make():
+        m = mlp()
+        return m, sgd(m), {"scale": torch.tensor(1.0)}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        loss = plain_step(model, opt, x * state["scale"], y)
+        scale = 0.5 + 0.25 * np.tanh(loss.detach().numpy())  # third-party code on the value
+        state["scale"] = torch.from_numpy(np.asarray(scale, dtype=np.float32))
+        log.append(float(scale))
+
+    check(make, step, max_fallbacks=0)
+
+
+# (b) print(loss.item()) every k steps
+def test_b_print_every_k():
+    def make():
+        m = mlp()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2), {}
+
+    def step(model, opt, i, log, state):
+        loss = plain_step(model, opt, *data(i))
+        if i % 5 == 0:
+            print(f"step {i} loss {loss.item():.6f}")
+
+    r = check(make, step, max_fallbacks=2)
+    assert r.printed.count("loss") == STEPS // 5
+
+
+# (c) a generator that yields which sub-network to run
+def test_c_generator_schedule():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = mlp()
+            self.b = mlp()
+
+        def forward(self, x, which):
+            return (self.a if which == "a" else self.b)(x)
+
+    def schedule():
+        while True:
+            yield "a"
+            yield "b"
+            yield "b"
+
+    def make():
+        m = Two()
+        return m, sgd(m), {"gen": schedule()}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        which = next(state["gen"])
+        loss = F.mse_loss(model(x, which), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(which)
+
+    check(make, step, max_fallbacks=3)
+
+
+# (d) try/except around a tensor op that raises on some iterations
+def test_d_try_except():
+    def make():
+        m = mlp()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        try:
+            bad = x[:, :3] if i % 4 == 0 else x  # a shape the first layer refuses
+            out = model(bad)
+        except RuntimeError as e:
+            log.append(("raised", str(e)))
+            out = model(x)
+        loss = F.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    r = check(make, step, max_fallbacks=3)
+    assert sum(1 for entry in r.log if entry[0] == "raised") == (STEPS + 3) // 4
+
+
+# (e) Python object mutation: counters, list appends, attributes changed in forward
+def test_e_object_mutation():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.calls = 0
+            self.history: list[int] = []
+            self.gain = 1.0
+
+        def forward(self, x):
+            self.calls += 1
+            self.history.append(self.calls)
+            if self.calls % 10 == 0:
+                self.gain = self.gain * 0.5  # the attribute changes what runs next
+            return self.net(x)
+
+    def make():
+        m = Counting()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        loss = plain_step(model, opt, *data(i))
+        log.append((model.calls, len(model.history), model.gain))
+
+    check(make, step, max_fallbacks=0)
+
+
+# (f) an if on a tensor value
+def test_f_if_on_tensor():
+    def make():
+        m = mlp()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        loss = F.mse_loss(model(x), y)
+        if loss > 1.0:
+            loss = loss * 0.5
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    check(make, step, max_fallbacks=4)
+
+
+# (g) a Python loop with a data-dependent trip count
+def test_g_data_dependent_loop():
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.layer = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            n = int(x.abs().sum().item() * 10) % 3 + 1
+            for _ in range(n):
+                h = torch.tanh(self.layer(h))
+            return self.out(h)
+
+    def make():
+        m = Deep()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        plain_step(model, opt, *data(i))
+
+    check(make, step, max_fallbacks=6)
+
+
+# (h) dropout and other RNG
+def test_h_dropout_rng():
+    def make():
+        m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        x = x + 0.1 * torch.randn_like(x)  # noise drawn between iterations' ops
+        plain_step(model, opt, x, y)
+
+    check(make, step, max_fallbacks=0)
+
+
+# (i) divergence after the optimizer updated the parameters in the same iteration
+def test_i_divergence_after_update():
+    def make():
+        m = mlp()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2), {}
+
+    def step(model, opt, i, log, state):
+        loss = plain_step(model, opt, *data(i))
+        if i in (20, 33):  # a path no traced iteration took, after opt.step()
+            log.append(float(model[0].weight.sum() + loss))
+
+    r = check(make, step, max_fallbacks=2)
+    assert r.stats.fallbacks == 2
+
+
+# (j) an RNN carrying its hidden state across iterations
+def test_j_rnn_hidden_state():
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.RNNCell(8, 16)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x, h):
+            h = self.cell(x, h)
+            return self.head(h), h
+
+    def make():
+        m = Cell()
+        return m, sgd(m), {"h": torch.zeros(4, 16), "running": torch.zeros(())}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        out, h = model(x, state["h"])
+        loss = F.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["h"] = h.detach()  # a placeholder kept for the next iteration
+        state["running"] = 0.9 * state["running"] + loss.detach()  # running loss, never read
+        if i == STEPS - 1:  # a read no traced iteration made: one fallback, at the very end
+            log.append(state["running"].item())
+
+    r = check(make, step, max_fallbacks=1)
+    assert r.stats.fallbacks == 1
+
+
+# ---- lazy mode and errors ----------------------------------------------------------------------
+
+def test_lazy_mode_matches_eager():
+    def make():
+        m = mlp()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        loss = plain_step(model, opt, *data(i))
+        log.append(loss.item())
+
+    r = check(make, step, max_fallbacks=0, mode="lazy")
+    assert r.stats.iterations["coexec"] > 0
+
+
+def test_user_exception_propagates_and_training_continues():
+    def make():
+        m = mlp()
+        return m, sgd(m), {}
+
+    def train(terra: bool):
+        torch.manual_seed(0)
+        m, opt, _ = make()
+        if terra:
+            m = terra_torch.wrap(m)
+        errors = []
+        for i in range(30):
+            try:
+                loss = plain_step(m, opt, *data(i))
+                if i == 15:
+                    raise ValueError(f"user error at {loss.item():.5f}")
+            except ValueError as e:
+                errors.append((type(e), str(e)))
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(m)
+            terra_torch.unwrap(m)
+            assert st.iterations["coexec"] > 0
+        return errors, [p.detach().clone() for p in m.parameters()]
+
+    e_err, e_params = train(False)
+    t_err, t_params = train(True)
+    assert e_err == t_err and len(e_err) == 1
+    assert all(torch.equal(a, b) for a, b in zip(e_params, t_params))
+
+
+def test_state_dict_synchronizes():
+    torch.manual_seed(0)
+    m = mlp()
+    opt = sgd(m)
+    m = terra_torch.wrap(m)
+    for i in range(10):
+        plain_step(m, opt, *data(i))
+    sd = m.state_dict()  # ends the iteration and waits for the graph
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    torch.save(opt.state_dict(), buf)  # momentum buffers were placeholders: now values
+    st = terra_torch.stats(m)
+    terra_torch.unwrap(m)
+    assert st.iterations["coexec"] > 0
+
+    torch.manual_seed(0)
+    ref = mlp()
+    ref_opt = sgd(ref)
+    for i in range(10):
+        plain_step(ref, ref_opt, *data(i))
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, sd[k])
+
+
+def test_stats_report_phases():
+    torch.manual_seed(0)
+    m = mlp()
+    opt = sgd(m)
+    m = terra_torch.wrap(m)
+    for i in range(12):
+        loss = plain_step(m, opt, *data(i))
+    loss.item()  # after the loop: a read the traced iterations never made (one fallback)
+    terra_torch.synchronize()
+    st = terra_torch.stats(m)
+    terra_torch.unwrap(m)
+    # Iteration 0's optimizer step creates the momentum buffers, so iteration 1 is new too;
+    # iteration 2 repeats it and the graph is generated.
+    assert st.iterations["tracing"] == 3 and st.iterations["coexec"] == 9
+    assert st.transitions == [(2, "tracing", "coexec"), (11, "coexec", "tracing")]
+    assert st.fallbacks == 1
+    assert st.graph_exec_s > 0 and st.python_exec_s > 0
+    assert st.runner["python_placeholders"] > 0
+
+
+def test_explicit_generator_runs_eagerly_and_correctly():
+    # A generator object passed to an op cannot be baked into a graph: the program says why
+    # and runs eagerly (correct results, no co-execution).
+    def train(terra: bool):
+        torch.manual_seed(0)
+        m = mlp()
+        opt = sgd(m)
+        if terra:
+            m = terra_torch.wrap(m)
+        for i in range(8):
+            g = torch.Generator().manual_seed(i)
+            x = torch.randn(4, 8, generator=g)
+            plain_step(m, opt, x, torch.zeros(4, 1))
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(m)
+            fb = m._terra_program.fallbacks
+            terra_torch.unwrap(m)
+            assert st.iterations["eager"] > 0 and st.iterations["coexec"] == 0
+            assert "torch.Generator" in fb[0].reason
+        return [p.detach().clone() for p in m.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+def test_wrap_rejects_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        terra_torch.wrap(lambda x: x)
+    with pytest.raises(ValueError, match="mode"):
+        terra_torch.wrap(mlp(), mode="fast")
+    with pytest.raises(ValueError, match="not wrapped"):
+        terra_torch.stats(mlp())
