@@ -31,6 +31,9 @@ class CoExecHook {
   // a data-dependent shape). `host`: it takes and gives no tensors.
   virtual Verdict validate(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
                            size_t num_outputs, bool needs_data, bool host) = 0;
+  // Before an op that needs data runs for real (ahead of validate(), so that an op raising in
+  // the user's program leaves no step of the graph behind): give its inputs their values.
+  virtual void materialize_inputs(c10::ArrayRef<c10::IValue> args) = 0;
   // The outputs of a matched op, flattened (undefined where the op returned none).
   virtual void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) = 0;
 };

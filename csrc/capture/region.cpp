@@ -255,7 +255,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     return;
   }
   const bool report = mode_ == Mode::CoExec;
-  if (report && co_execute(op, rec, index, args, stack)) return;
+  if (report && co_execute(op, ks, rec, index, args, stack)) return;
   try {
     run_real(op, ks, stack);
   } catch (...) {
@@ -286,48 +286,52 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
   if (report) hook_->outputs(index, flat);
 }
 
-bool Region::co_execute(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
-                        torch::jit::Stack* stack) {
+bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
+                        c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) {
   const bool host = is_host_op(op, args);
   const InferredOutputs* inferred = nullptr;
-  size_t num_outputs = 0;
-  if (!host) {
+  if (!host) inferred = &infer_outputs(op, args);
+  const bool needs_data = inferred != nullptr && inferred->needs_materialization;
+  const size_t nret = op.schema().returns().size();
+  auto flatten = [&] {
+    c10::SmallVector<at::Tensor, 4> flat;
+    for (size_t r = 0; r < nret; ++r) {
+      const c10::IValue& v = (*stack)[stack->size() - nret + r];
+      if (v.isTensor()) flat.push_back(v.toTensor());
+      else if (v.isTensorList())
+        for (const at::Tensor& t : v.toTensorList().vec()) flat.push_back(t);
+    }
+    return flat;
+  };
+  if (host || needs_data) {
+    // Runs first, validated after: an op that raises (a shape error the meta kernel reported
+    // in its own words) raises eager's error and leaves no record and no step of the graph.
+    if (needs_data) {
+      rec.needs_materialization = true;
+      hook_->materialize_inputs(args);
+    }
+    const c10::SmallVector<c10::IValue, 6> inputs(args.begin(), args.end());  // the stack is reused
     try {
-      // Before the hook sees the op: an op whose shape check fails raises here, as in eager,
-      // and leaves neither a record nor a step of the graph behind.
-      inferred = &infer_outputs(op, args);
+      run_real(op, ks, stack);
     } catch (...) {
       trace_.ops.pop_back();
       throw;
     }
+    const c10::SmallVector<at::Tensor, 4> flat = flatten();
+    const bool diverged =
+        hook_->validate(*this, rec, index, inputs, flat.size(), false, host) == CoExecHook::Verdict::kDiverged;
+    if (diverged) mode_ = Mode::Record;
+    record_outputs(op, rec, index, stack, !diverged);
+    return true;
   }
-  const bool needs_data = inferred != nullptr && inferred->needs_materialization;
-  if (inferred != nullptr && !needs_data) {
-    for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
-  } else {
-    for (const auto& r : op.schema().returns())
-      if (r.type()->kind() == c10::TypeKind::TensorType) ++num_outputs;
-  }
-  if (needs_data) rec.needs_materialization = true;
-  switch (hook_->validate(*this, rec, index, args, num_outputs, needs_data, host)) {
-    case CoExecHook::Verdict::kPlaceholder:
-      break;
-    case CoExecHook::Verdict::kRunReal:
-      return false;
-    case CoExecHook::Verdict::kDiverged:
-      mode_ = Mode::Record;
-      return false;
+  size_t num_outputs = 0;
+  for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
+  if (hook_->validate(*this, rec, index, args, num_outputs, false, false) == CoExecHook::Verdict::kDiverged) {
+    mode_ = Mode::Record;
+    return false;
   }
   run_placeholder(op, rec, index, args, stack);
-  const size_t nret = op.schema().returns().size();
-  c10::SmallVector<at::Tensor, 4> flat;
-  for (size_t r = 0; r < nret; ++r) {
-    const c10::IValue& v = (*stack)[stack->size() - nret + r];
-    if (v.isTensor()) flat.push_back(v.toTensor());
-    else if (v.isTensorList())
-      for (const at::Tensor& t : v.toTensorList().vec()) flat.push_back(t);
-  }
-  hook_->outputs(index, flat);
+  hook_->outputs(index, flatten());
   return true;
 }
 

@@ -68,8 +68,8 @@ class Region {
   void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
                        c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
-  bool co_execute(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
-                  torch::jit::Stack* stack);
+  bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
+                  c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
   void record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
                       bool report);
 

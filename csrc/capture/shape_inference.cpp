@@ -1,5 +1,6 @@
 #include "capture/shape_inference.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/as_strided.h>
 #include <ATen/ops/empty.h>
@@ -159,6 +160,9 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.callBoxed(meta_stack);
   } catch (const c10::Error& e) {
+    // No meta kernel, a data-dependent output, or arguments the meta kernel refuses (whose
+    // message need not be eager's): the op needs its data, and running it for real raises
+    // eager's error if there is one.
     return cannot_infer(op, e.what_without_backtrace());
   } catch (const std::exception& e) {  // a meta kernel written in Python raised
     return cannot_infer(op, e.what());

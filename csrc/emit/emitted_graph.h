@@ -52,6 +52,9 @@ struct EmittedGraph {
   // execution publishes (0 for reads and nodes without ops), and whether it waits at a gate.
   std::vector<uint32_t> node_publishes;
   std::vector<uint8_t> node_gated;
+  // Emitted inside a prim::Loop: its iterations share one copy, so a reader elsewhere sees only
+  // the latest execution (the PythonRunner checks that Python reads that one too).
+  std::vector<uint8_t> node_in_loop;
 
   // -1 when (node, input) has no feed slot.
   int64_t feed_slot(trace::NodeId node, uint32_t input) const {

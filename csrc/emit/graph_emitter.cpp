@@ -215,8 +215,10 @@ class Emitter {
     if (out_.node_publishes.size() <= n) {
       out_.node_publishes.resize(n + 1, 0);
       out_.node_gated.resize(n + 1, 0);
+      out_.node_in_loop.resize(n + 1, 0);
     }
     out_.node_gated[n] = gated;
+    out_.node_in_loop[n] = loop_depth_ > 0;
     if (outputs.empty()) {
       Value* none = g_.insertNode(g_.createNone())->output();
       channel_op(publish_, {g_.insertConstant(EmittedGraph::publish_tag(n, 255)), none}, nullptr);
@@ -430,6 +432,12 @@ class Emitter {
   // which is exactly kWhile (the body runs at least once). Every variable the body assigns is
   // carried, since a later iteration or the code after the loop may read it.
   void emit_while(const trace::ProgNode& pn) {
+    // Known wrong values: co-executed programs with a loop whose trip count varies computed
+    // wrong forward values in tests (test_coexec.py::test_g_data_dependent_loop); until that
+    // is understood such programs run eagerly rather than silently wrong.
+    if (coexec_)
+      throw std::runtime_error("terra_torch: loops whose trip count varies between iterations are not co-executed yet "
+                               "(the loop runs " + std::string("a data-dependent number of times)"));
     ++out_.stats.loops;
     std::vector<VarId> carried;
     ++epoch_;
@@ -442,6 +450,7 @@ class Emitter {
       inputs.push_back(env_[v] != nullptr ? env_[v] : missing);
     }
     Node* loop = g_.insertNode(g_.create(c10::prim::Loop, inputs, 0));
+    ++loop_depth_;
     Block* body = loop->addBlock();
     body->addInput()->setType(c10::IntType::get());
     const size_t mark = journal_.size();
@@ -452,6 +461,7 @@ class Emitter {
       body->registerOutput(channel_op(loop_cond_, {int_constant(pn.site)}, c10::BoolType::get()));
       for (const VarId v : carried) body->registerOutput(env_[v]);
     }
+    --loop_depth_;
     undo(mark);
     for (const VarId v : carried) assign(v, loop->addOutput()->setType(c10::TensorType::get()));
   }
@@ -495,6 +505,7 @@ class Emitter {
   std::vector<uint32_t> seen_;
   uint32_t epoch_ = 0;
   bool coexec_;
+  int loop_depth_ = 0;  // prim::Loop bodies being emitted
   c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_;
 };
 

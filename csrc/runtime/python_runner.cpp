@@ -6,6 +6,7 @@
 #include "runtime/python_runner.h"
 
 #include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -60,6 +61,19 @@ void check_signals() {
 
 std::string op_name(const capture::OpRecord& rec) { return c10::toString(rec.op.operator_name()); }
 
+// The tensor an input of the record refers to, from the op's arguments.
+at::Tensor argument_tensor(c10::ArrayRef<c10::IValue> args, const capture::OpInput& in) {
+  if (in.argument < 0 || static_cast<size_t>(in.argument) >= args.size()) return {};
+  const c10::IValue& a = args[in.argument];
+  if (in.list_index < 0) return a.isTensor() ? a.toTensor() : at::Tensor();
+  if (a.isTensorList()) return a.toTensorList().get(in.list_index);
+  if (a.isOptionalTensorList()) {
+    const c10::IValue& e = a.toListRef()[in.list_index];
+    return e.isTensor() ? e.toTensor() : at::Tensor();
+  }
+  return {};
+}
+
 }  // namespace
 
 PythonRunner::PythonRunner(const emit::CapturedProgram& program, const trace::Program& structured,
@@ -88,6 +102,7 @@ void PythonRunner::begin_iteration() {
   drain_outcomes(false);  // an earlier graph iteration's error surfaces here
   cursor_.reset();
   record_nodes_.clear();
+  latest_.clear();
   diverged_ = false;
   reason_.clear();
   divergence_record_ = -1;
@@ -169,6 +184,17 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
+      if (in_loop(producer) || in_loop(node)) {
+        // Inside prim::Loop every iteration of the producer writes the same graph value: only
+        // a read of its latest execution is one the graph can serve.
+        const at::Tensor t = argument_tensor(args, in);
+        auto it = latest_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
+        if (!t.defined() || !t.has_storage() || it == latest_.end() ||
+            it->second != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+                                         t.storage_offset()))
+          return diverge(op_name(rec) + " reads a value from an earlier iteration of a loop (the graph keeps only the latest)",
+                         index);
+      }
       if (fslot >= 0) {
         if (!emitted_.feeds[fslot].optional)
           return diverge(op_name(rec) + " reads a value computed in the iteration where the graph was fed one", index);
@@ -181,11 +207,12 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   for (Post& p : plan_) post(std::move(p));
   if (emitted && emitted_.node_gated[node]) post({Post::Kind::kGate, static_cast<int64_t>(node), -1, {}});
   record_nodes_[index] = node;
-  if (host) return Verdict::kRunReal;
-  if (!needs_data) {
-    ++stats_.placeholders;
-    return Verdict::kPlaceholder;
-  }
+  if (host || needs_data) return Verdict::kRunReal;
+  ++stats_.placeholders;
+  return Verdict::kPlaceholder;
+}
+
+void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   // A read: everything Python validated so far must have run (the op may read a tensor the
   // graph updates in place), and the placeholders it reads get their values.
   ++stats_.reads;
@@ -195,12 +222,11 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     if (!t.defined()) return;
     if (const auto linked = linked_index(t)) {
       std::optional<at::Tensor> v = values_->value(*linked);
-      TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep the value ", op_name(rec),
-                  " reads");
+      TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep a value Python reads");
       refresh(t, *v);
     } else {
-      TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: ", op_name(rec),
-                  " reads a placeholder the runtime does not know");
+      TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: Python reads a placeholder the runtime "
+                  "does not know");
     }
   };
   for (const c10::IValue& a : args) {
@@ -211,7 +237,6 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       for (const c10::IValue& e : a.toListRef())
         if (e.isTensor()) give_value(e.toTensor());
   }
-  return Verdict::kRunReal;
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
@@ -228,6 +253,8 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   for (uint32_t k = 0; k < count; ++k) {
     const at::Tensor& t = outputs[k];
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
+    if (t.defined() && t.has_storage())
+      latest_[tag] = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -319,9 +346,20 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
     ph->bind(value);
     return;
   }
+  c10::StorageImpl* storage = holder.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  if (storage->data() == nullptr && storage->nbytes() > 0) {
+    // A placeholder's storage that only autograd's saved copies still use: give it memory.
+    c10::Allocator* allocator = c10::GetAllocator(holder.device().type());
+    storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
+    storage->set_allocator(allocator);
+  }
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   const_cast<at::Tensor&>(holder).copy_(value);
+}
+
+bool PythonRunner::in_loop(trace::NodeId n) const {
+  return n < emitted_.node_in_loop.size() && emitted_.node_in_loop[n] != 0;
 }
 
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {

@@ -79,6 +79,7 @@ class PythonRunner final : public capture::CoExecHook {
   // ---- capture::CoExecHook ----
   Verdict validate(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
                    c10::ArrayRef<c10::IValue> args, size_t num_outputs, bool needs_data, bool host) override;
+  void materialize_inputs(c10::ArrayRef<c10::IValue> args) override;
   void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
 
  private:
@@ -103,6 +104,7 @@ class PythonRunner final : public capture::CoExecHook {
   void wait_for_graph(int64_t count);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
+  bool in_loop(trace::NodeId n) const;
   void drain_outcomes(bool block);
 
   const emit::CapturedProgram& program_;
@@ -118,6 +120,10 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
   std::unordered_map<const c10::TensorImpl*, Link> links_;
+  // This iteration: the storage (and offset) of the latest output of each (node, output), for
+  // the loop check in validate(). Storage, not TensorImpl: autograd unpacks saved outputs into
+  // fresh TensorImpls over the same storage.
+  std::unordered_map<int64_t, std::pair<const void*, int64_t>> latest_;
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;
   bool diverged_ = false;

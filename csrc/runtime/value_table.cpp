@@ -4,7 +4,11 @@
 // GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
 #include "runtime/value_table.h"
 
+#include <algorithm>
 #include <stdexcept>
+
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/TensorImpl.h>
 #include <string>
 
 namespace terra::runtime {
@@ -48,7 +52,14 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
   e.tag = tag;
   e.expected = true;
-  if (holder.defined()) e.holder.emplace(holder.getIntrusivePtr());
+  if (holder.defined() && holder.has_storage()) {
+    e.holder.emplace(holder.getIntrusivePtr());
+    e.storage.emplace(holder.unsafeGetTensorImpl()->unsafe_storage().getWeakStorageImpl());
+    e.options = holder.options();
+    e.sizes.assign(holder.sizes().begin(), holder.sizes().end());
+    e.strides.assign(holder.strides().begin(), holder.strides().end());
+    e.storage_offset = holder.storage_offset();
+  }
   if (e.published && !holder.defined()) {
     dropped = std::move(e.value);
     entries_.erase(index);
@@ -66,6 +77,7 @@ void ValueTable::retire(int64_t index) {
     entries_.erase(it);
   } else {
     it->second.holder.reset();  // the graph's value is dropped when it arrives
+    it->second.storage.reset();
   }
 }
 
@@ -92,14 +104,29 @@ bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
-  std::vector<std::pair<at::Tensor, at::Tensor>> out;
-  std::lock_guard lock(mu_);
-  for (const auto& [index, e] : entries_) {
-    if (!e.published || !e.holder) continue;
-    auto impl = e.holder->lock();
-    if (!impl) continue;
-    out.emplace_back(at::Tensor(std::move(impl)), e.value);
+  std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [index, e] : entries_) {
+      if (!e.published || !e.storage || !e.value.defined()) continue;
+      if (auto impl = e.holder->lock()) {
+        found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
+        continue;
+      }
+      auto storage = e.storage->lock();
+      if (!storage) continue;
+      // Only a storage is left: a plain tensor of the same layout over it receives the value.
+      at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+          c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, e.options.device())),
+          e.options.dtype());
+      view.unsafeGetTensorImpl()->set_sizes_and_strides(e.sizes, e.strides, e.storage_offset);
+      found.push_back({index, {std::move(view), e.value}});
+    }
   }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  out.reserve(found.size());
+  for (auto& f : found) out.push_back(std::move(f.second));
   return out;
 }
 

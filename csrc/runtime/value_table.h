@@ -47,7 +47,9 @@ class ValueTable {
   bool wait_published(int64_t count, std::chrono::nanoseconds slice);
   // Wakes waiters so that they re-check other conditions (the graph blocked or failed).
   void notify() { cv_.notify_all(); }
-  // Live holders and their values, for materializing everything at a divergence.
+  // What materializing everything at a divergence needs, in index order (newer values last):
+  // the holder if it is still alive, else a tensor over its storage that some other tensor
+  // (autograd's saved copy of an output, a view) still uses; and the value.
   std::vector<std::pair<at::Tensor, at::Tensor>> live_values() const;
   // Drops every entry whose holder has died and that both sides have passed.
   void sweep();
@@ -61,9 +63,15 @@ class ValueTable {
     bool expected = false;
     bool published = false;
     std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> holder;
+    // The holder's storage: the value is needed while anything uses it, not only the holder
+    // (autograd keeps outputs it saved as separate TensorImpls over the same storage).
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    c10::TensorOptions options;
+    std::vector<int64_t> sizes, strides;
+    int64_t storage_offset = 0;
     at::Tensor value;
   };
-  static bool dead(const Entry& e) { return !e.holder || e.holder->expired(); }
+  static bool dead(const Entry& e) { return !e.storage || e.storage->expired(); }
   [[noreturn]] static void mismatch(int64_t index, int64_t expected_tag, int64_t published_tag);
 
   mutable std::mutex mu_;
