@@ -24,10 +24,15 @@ namespace {
 std::atomic<Region*> g_active{nullptr};
 
 
-uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
+// A Python float passed straight to an op (a learning rate, Adam's bias correction) is a value
+// of the program, not part of the op's identity: it is hashed by type only, so that iterations
+// that differ in it share one TraceGraph node, and the generated graph receives it as a feed
+// (emit: scalar feeds). Floats inside lists (scale factors) stay part of the identity.
+uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true) {
   h = trace::hash_combine(h, static_cast<uint64_t>(v.tag));
   if (v.isInt()) return trace::hash_combine(h, static_cast<uint64_t>(v.toInt()));
   if (v.isBool()) return trace::hash_combine(h, v.toBool());
+  if (v.isDouble() && top_level) return h;
   if (v.isDouble()) {
     double d = v.toDouble();
     uint64_t bits;
@@ -37,7 +42,7 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v) {
   if (v.isString()) return trace::hash_combine(h, std::hash<std::string>()(v.toStringRef()));
   if (v.isDevice()) return trace::hash_combine(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
   if (v.isList()) {
-    for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e);
+    for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e, false);
     return h;
   }
   return h;  // None, Generator, ...: the tag says enough

@@ -126,12 +126,19 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
   infos_.resize(graph_.num_nodes());
   for (size_t i = 0; i < captured.ops.size(); ++i) {
     std::optional<OpInfo>& slot = infos_[merged.record_nodes[i]];
-    if (slot) continue;
     const capture::OpRecord& rec = captured.ops[i];
+    if (slot) {
+      for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a)
+        if (slot->attributes[a].isDouble() && rec.attributes[a].isDouble() &&
+            slot->attributes[a].toDouble() != rec.attributes[a].toDouble())
+          slot->varying[a] = true;
+      continue;
+    }
     OpInfo info{rec.op, std::vector<c10::IValue>(rec.attributes.begin(), rec.attributes.end()), {}, static_cast<uint32_t>(rec.outputs.size())};
     info.tensor_args.reserve(rec.inputs.size());
     for (const capture::OpInput& input : rec.inputs)
       if (!is_none_input(captured, input)) info.tensor_args.push_back({input.argument, input.list_index});
+    info.varying.assign(info.attributes.size(), false);
     slot.emplace(std::move(info));
   }
   traces_.push_back(std::move(t));

@@ -36,6 +36,9 @@ struct OpInfo {
   std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
   std::vector<TensorArg> tensor_args;   // per input slot of the node
   uint32_t num_outputs = 0;             // tensor outputs, lists flattened
+  // Per attribute: a Python float whose value differed between the records merged into this
+  // node (the graph feeds it instead of baking it in).
+  std::vector<bool> varying;
 };
 
 // Feed ids in the translated traces name an external tensor *object*: its TensorImpl address,

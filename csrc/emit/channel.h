@@ -26,6 +26,8 @@ class ChannelSource {
   // The next value of the program's output sequence (one per op output, in program order):
   // the Python side's placeholder for it reads it from here. Undefined for ops without outputs.
   virtual void publish(int64_t /*tag*/, const at::Tensor& /*value*/) {}
+  // Co-execution graphs: the Python float an op receives at scalar slot `slot` this time.
+  virtual double feed_scalar(int64_t slot);
 };
 
 // The source the terra:: ops of this thread talk to, or nullptr. Thread-local because a graph
@@ -52,5 +54,6 @@ inline constexpr const char* kFeedOrNoneOp = "terra::feed_or_none";
 inline constexpr const char* kFetchOp = "terra::fetch";
 inline constexpr const char* kGateOp = "terra::gate";
 inline constexpr const char* kPublishOp = "terra::publish";
+inline constexpr const char* kFeedScalarOp = "terra::feed_scalar";
 
 }  // namespace terra::emit

@@ -40,6 +40,8 @@ std::optional<at::Tensor> feed_or_none(int64_t slot) {
 
 void gate(int64_t node) { require(kGateOp).gate(node); }
 
+double feed_scalar(int64_t slot) { return require(kFeedScalarOp).feed_scalar(slot); }
+
 void publish(int64_t tag, const std::optional<at::Tensor>& value) {
   require(kPublishOp).publish(tag, value.has_value() ? *value : at::Tensor());
 }
@@ -53,6 +55,10 @@ void fetch(int64_t slot, const at::Tensor& value) {
 }  // namespace
 
 ChannelSource* current_channel() { return t_current; }
+
+double ChannelSource::feed_scalar(int64_t slot) {
+  TORCH_CHECK(false, "terra_torch: this channel cannot feed scalar slot ", slot, " (co-execution graphs only)");
+}
 
 ChannelScope::ChannelScope(ChannelSource* source) : saved_(t_current) { t_current = source; }
 ChannelScope::~ChannelScope() { t_current = saved_; }
@@ -69,6 +75,7 @@ TORCH_LIBRARY(terra, m) {
   m.def(torch::schema("feed_or_none(int slot) -> Tensor?", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::feed_or_none);
   m.def(torch::schema("gate(int node) -> ()", AliasAnalysisKind::CONSERVATIVE), &terra::emit::gate);
+  m.def(torch::schema("feed_scalar(int slot) -> float", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed_scalar);
   // A catch-all kernel: publish only ever runs inside generated graphs, never in a capture region.
   m.def(torch::schema("publish(int tag, Tensor? value) -> ()", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::publish);

@@ -55,6 +55,15 @@ struct EmittedGraph {
   // Emitted inside a prim::Loop: its iterations share one copy, so a reader elsewhere sees only
   // the latest execution (the PythonRunner checks that Python reads that one too).
   std::vector<uint8_t> node_in_loop;
+  // Python floats among a node's attributes (co-execution graphs): fed per execution through
+  // scalar slot `slot`, or baked in as `constant` (slot -1), which Python must then still pass.
+  struct ScalarUse {
+    uint32_t attribute;
+    int64_t slot;
+    double constant;
+  };
+  std::unordered_map<trace::NodeId, std::vector<ScalarUse>> node_scalars;
+  size_t num_scalar_slots = 0;
 
   // -1 when (node, input) has no feed slot.
   int64_t feed_slot(trace::NodeId node, uint32_t input) const {

@@ -66,6 +66,7 @@ class Emitter {
     fetch_ = c10::Symbol::fromQualString(kFetchOp);
     gate_ = c10::Symbol::fromQualString(kGateOp);
     publish_ = c10::Symbol::fromQualString(kPublishOp);
+    feed_scalar_ = c10::Symbol::fromQualString(kFeedScalarOp);
   }
 
   void emit(ProgId p) {
@@ -280,7 +281,8 @@ class Emitter {
           if (attrs.at(next).isGenerator())  // a constant would replay one generator object forever
             throw std::runtime_error("terra_torch: cannot generate a graph for " + op_name(info.op) +
                                      ": it draws from a torch.Generator passed as an argument");
-          out.push_back(constant(attrs.at(next++)));
+          out.push_back(coexec_ && attrs.at(next).isDouble() ? scalar(n, info, next) : constant(attrs.at(next)));
+          ++next;
           break;
         case TensorKind::kTensor:
           out.push_back(arg_slots.empty() ? g_.insertNode(g_.createAutogradZero())->output()
@@ -317,6 +319,21 @@ class Emitter {
     if (next != attrs.size())
       throw std::runtime_error("terra_torch: attributes of " + op_name(info.op) + " do not fit its schema");
     return out;
+  }
+
+  // A Python float attribute of a co-execution graph: fed when it varied between the traces,
+  // else a constant that the PythonRunner checks Python passes again.
+  Value* scalar(NodeId n, const OpInfo& info, size_t attribute) {
+    auto& uses = out_.node_scalars[n];
+    const bool varying = attribute < info.varying.size() && info.varying[attribute];
+    const double value = info.attributes[attribute].toDouble();
+    auto it = std::find_if(uses.begin(), uses.end(), [&](const auto& u) { return u.attribute == attribute; });
+    if (it == uses.end()) {
+      uses.push_back({static_cast<uint32_t>(attribute), varying ? static_cast<int64_t>(out_.num_scalar_slots++) : -1, value});
+      it = uses.end() - 1;
+    }
+    if (it->slot < 0) return constant(c10::IValue(value));
+    return channel_op(feed_scalar_, {int_constant(it->slot)}, c10::FloatType::get());
   }
 
   // The JIT picks the overload itself from the input types (there is no way to pin one on a
@@ -506,7 +523,7 @@ class Emitter {
   uint32_t epoch_ = 0;
   bool coexec_;
   int loop_depth_ = 0;  // prim::Loop bodies being emitted
-  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_;
+  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_, feed_scalar_;
 };
 
 size_t count_nodes(const Block* b) {

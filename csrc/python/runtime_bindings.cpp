@@ -258,6 +258,7 @@ py::object graph_waiting_for(const ConcurrentChannel& c) {
   if (!w) return py::none();
   const char* kind = w->kind == runtime::GraphWait::Kind::kDecision ? "decision"
                      : w->kind == runtime::GraphWait::Kind::kGate   ? "gate"
+                     : w->kind == runtime::GraphWait::Kind::kScalar ? "scalar"
                                                                      : "feed";
   return py::make_tuple(kind, w->id);
 }

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "trace/program.h"
 
@@ -44,8 +45,9 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
   auto& q = decisions_[site];
   if (q.empty()) {
     const auto t0 = Clock::now();
-    graph_waiting_ = site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
-                                          : GraphWait{GraphWait::Kind::kDecision, site};
+    graph_waiting_ = site >= kScalarKeyBase ? GraphWait{GraphWait::Kind::kScalar, site - kScalarKeyBase}
+                     : site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
+                                            : GraphWait{GraphWait::Kind::kDecision, site};
     if (values_) values_->notify();
     graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
     graph_waiting_.reset();
@@ -111,6 +113,19 @@ void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
 }
 
 void ConcurrentChannel::post_gate(int64_t node) { post_decision(kGateKeyBase + node, 1); }
+
+void ConcurrentChannel::post_scalar(int64_t slot, double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  post_decision(kScalarKeyBase + slot, bits);
+}
+
+double ConcurrentChannel::feed_scalar(int64_t slot) {
+  const int64_t bits = take_decision(kScalarKeyBase + slot);
+  double value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
 
 void ConcurrentChannel::post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep) {
   {
@@ -239,8 +254,12 @@ bool ConcurrentChannel::graph_stuck() const {
       return it == feeds_.end() || it->second.empty();
     }
     case GraphWait::Kind::kGate:
+    case GraphWait::Kind::kScalar:
     case GraphWait::Kind::kDecision: {
-      auto it = decisions_.find(graph_waiting_->kind == GraphWait::Kind::kGate ? id + kGateKeyBase : id);
+      const int64_t key = graph_waiting_->kind == GraphWait::Kind::kGate     ? id + kGateKeyBase
+                          : graph_waiting_->kind == GraphWait::Kind::kScalar ? id + kScalarKeyBase
+                                                                             : id;
+      auto it = decisions_.find(key);
       return it == decisions_.end() || it->second.empty();
     }
   }

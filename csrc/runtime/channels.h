@@ -26,6 +26,7 @@ class ValueTable;
 
 // Gates share the decision queues under their own key range (sites are small numbers).
 inline constexpr int64_t kGateKeyBase = int64_t(1) << 40;
+inline constexpr int64_t kScalarKeyBase = int64_t(2) << 40;  // scalar feeds, as their bits
 
 // Thrown on both sides once the channel is cancelled. On the graph side it unwinds the running
 // graph out of whatever channel op it was in (the interpreter rethrows it as a runtime_error,
@@ -45,7 +46,7 @@ struct ChannelStats {
 
 // What the graph thread is blocked on right now (for tests and diagnostics).
 struct GraphWait {
-  enum class Kind { kDecision, kFeed, kGate } kind;
+  enum class Kind { kDecision, kFeed, kGate, kScalar } kind;
   int64_t id;  // site or slot
 };
 
@@ -62,6 +63,7 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void gate(int64_t node) override;
   // Co-execution: hands the value to the value table (which must be attached).
   void publish(int64_t tag, const at::Tensor& value) override;
+  double feed_scalar(int64_t slot) override;
 
   // ---- Python side (never blocks except wait_fetch) ----
   // Case index at a case-select site, or kLoopContinue / kLoopExit at a loop-cond site: sites
@@ -77,6 +79,8 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep);
   // Python has validated the side-effecting op at `node`: the graph may run it.
   void post_gate(int64_t node);
+  // The Python float for scalar slot `slot` (one per execution of its op).
+  void post_scalar(int64_t slot, double value);
   // The value table behind publish and deferred feeds; waiters on it are woken whenever the
   // graph blocks here, so that they can tell "not yet" from "never".
   void attach_values(std::shared_ptr<ValueTable> values);

@@ -203,6 +203,26 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
+  // Python floats: fed where they varied in the traces; elsewhere they must equal the constant
+  // the graph has baked in (a float that changes for the first time is a divergence).
+  if (emitted) {
+    auto scalars = emitted_.node_scalars.find(node);
+    if (scalars != emitted_.node_scalars.end()) {
+      for (const auto& use : scalars->second) {
+        if (use.attribute >= rec.attributes.size() || !rec.attributes[use.attribute].isDouble())
+          return diverge(op_name(rec) + " received another kind of argument than in the traced iterations", index);
+        const double v = rec.attributes[use.attribute].toDouble();
+        if (use.slot >= 0) {
+          plan_.push_back({Post::Kind::kScalar, use.slot, 0, {}, v});
+        } else if (!(v == use.constant)) {
+          return diverge(op_name(rec) + " received the Python number " + std::to_string(v) + " where the traced iterations passed " +
+                             std::to_string(use.constant),
+                         index);
+        }
+      }
+    }
+  }
+
   for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
   for (Post& p : plan_) post(std::move(p));
   if (emitted && emitted_.node_gated[node]) post({Post::Kind::kGate, static_cast<int64_t>(node), -1, {}});
@@ -286,6 +306,9 @@ void PythonRunner::send(Post p) {
       return;
     case Post::Kind::kGate:
       channel_->post_gate(p.id);
+      return;
+    case Post::Kind::kScalar:
+      channel_->post_scalar(p.id, p.scalar);
       return;
   }
 }

@@ -88,10 +88,11 @@ class PythonRunner final : public capture::CoExecHook {
     int64_t index;
   };
   struct Post {  // lazy mode keeps these until Python needs data
-    enum class Kind { kDecision, kFeed, kDeferredFeed, kGate } kind;
+    enum class Kind { kDecision, kFeed, kDeferredFeed, kGate, kScalar } kind;
     int64_t id;
     int64_t index;
     at::Tensor tensor;
+    double scalar = 0;
   };
 
   Verdict diverge(std::string reason, int32_t record);

@@ -298,7 +298,9 @@ def test_i_divergence_after_update():
             log.append(float(model[0].weight.sum() + loss))
 
     r = check(make, step, max_fallbacks=2)
-    assert r.stats.fallbacks == 2
+    # Iteration 20 diverges after opt.step() already ran in the graph; the path is learned,
+    # so iteration 33 takes it in co-execution.
+    assert r.stats.fallbacks == 1 and r.stats_fallbacks[0].iteration == 20
 
 
 # (j) an RNN carrying its hidden state across iterations
