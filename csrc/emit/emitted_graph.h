@@ -55,7 +55,7 @@ struct EmittedGraph {
   // Emitted inside a prim::Loop: its iterations share one copy, so a reader elsewhere sees only
   // the latest execution (the PythonRunner checks that Python reads that one too).
   std::vector<uint8_t> node_in_loop;
-  // Python floats among a node's attributes (co-execution graphs): fed per execution through
+  // Python floats among a node's attributes: fed per execution through
   // scalar slot `slot`, or baked in as `constant` (slot -1), which Python must then still pass.
   struct ScalarUse {
     uint32_t attribute;

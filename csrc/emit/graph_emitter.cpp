@@ -281,7 +281,7 @@ class Emitter {
           if (attrs.at(next).isGenerator())  // a constant would replay one generator object forever
             throw std::runtime_error("terra_torch: cannot generate a graph for " + op_name(info.op) +
                                      ": it draws from a torch.Generator passed as an argument");
-          out.push_back(coexec_ && attrs.at(next).isDouble() ? scalar(n, info, next) : constant(attrs.at(next)));
+          out.push_back(attrs.at(next).isDouble() ? scalar(n, info, next) : constant(attrs.at(next)));
           ++next;
           break;
         case TensorKind::kTensor:
@@ -321,8 +321,8 @@ class Emitter {
     return out;
   }
 
-  // A Python float attribute of a co-execution graph: fed when it varied between the traces,
-  // else a constant that the PythonRunner checks Python passes again.
+  // A Python float attribute: fed when it varied between the traces, else a constant (which
+  // the PythonRunner checks Python passes again).
   Value* scalar(NodeId n, const OpInfo& info, size_t attribute) {
     auto& uses = out_.node_scalars[n];
     const bool varying = attribute < info.varying.size() && info.varying[attribute];

@@ -39,6 +39,14 @@ std::string ScriptedChannel::leftovers() const {
   return out;
 }
 
+double ScriptedChannel::feed_scalar(int64_t slot) {
+  auto& q = scalars_[slot];
+  if (q.empty()) throw std::runtime_error("terra_torch: scripted channel has no value for scalar slot " + std::to_string(slot));
+  const double v = q.front();
+  q.pop_front();
+  return v;
+}
+
 ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,
                                  const EmittedGraph& emitted, const capture::Trace& captured,
                                  std::span<const at::Tensor> externals) {
@@ -52,6 +60,10 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
   if (captured.ops.size() != nodes.size())
     throw std::invalid_argument("terra_torch: capture trace does not match trace " + std::to_string(index));
   for (size_t i = 0; i < captured.ops.size(); ++i) {
+    auto scalars = emitted.node_scalars.find(nodes[i]);
+    if (scalars != emitted.node_scalars.end())
+      for (const auto& use : scalars->second)
+        if (use.slot >= 0) script.push_scalar(use.slot, captured.ops[i].attributes.at(use.attribute).toDouble());
     uint32_t s = 0;  // slot numbering skips inputs that stand for None, as the translation does
     for (const capture::OpInput& input : captured.ops[i].inputs) {
       if (is_none_input(captured, input)) continue;

@@ -24,10 +24,12 @@ class ScriptedChannel final : public ChannelSource {
   void push_decision(const trace::Decision& d) { decisions_.push_back(d); }
   // An undefined tensor stands for "none" (a feed_or_none slot that read a graph value).
   void push_feed(int64_t slot, at::Tensor t) { feeds_[slot].push_back(std::move(t)); }
+  void push_scalar(int64_t slot, double v) { scalars_[slot].push_back(v); }
 
   int64_t case_select(int64_t site) override;
   bool loop_cond(int64_t site) override;
   at::Tensor feed(int64_t slot) override;
+  double feed_scalar(int64_t slot) override;
   // Keeps a copy: the graph may update the tensor in place after Python read it.
   void fetch(int64_t slot, const at::Tensor& value) override;
 
@@ -40,6 +42,7 @@ class ScriptedChannel final : public ChannelSource {
 
   std::deque<trace::Decision> decisions_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
+  std::unordered_map<int64_t, std::deque<double>> scalars_;
   std::vector<std::pair<int64_t, at::Tensor>> fetched_;
 };
 
