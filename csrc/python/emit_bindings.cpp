@@ -1,6 +1,7 @@
 // Python bindings of graph generation (csrc/emit) and the executor interface (csrc/runtime):
 // the _C.emit submodule that terra_torch/graph.py wraps. Records come in as capture regions;
-// graphs come out as text, slot tables, and a way to run them on a recorded iteration.
+// graphs come out as text, slot tables, a Graphviz picture (trace/dot.h), the torch._C.Graph, and
+// a way to run them on a recorded iteration.
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/ir/irparser.h>
 #include <torch/csrc/utils/pybind.h>
@@ -9,6 +10,9 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "capture/region.h"
 #include "emit/captured_program.h"
@@ -18,6 +22,7 @@
 #include "runtime/executor.h"
 #include "trace/case_assignment.h"
 #include "trace/describe.h"
+#include "trace/dot.h"
 #include "trace/replay.h"
 
 namespace py = pybind11;
@@ -27,6 +32,38 @@ namespace terra::python {
 namespace {
 
 using capture::Region;
+
+// The frame a user recognises as their line, picked as debug.Location.user_frame picks it: the
+// innermost frame outside torch's own Python, skipping the "backward: ..." entry that backward
+// ops append to their forward op's frames. Returned short ("train.py:12"), since it labels a
+// node in a picture; backward ops say so, because they share their forward op's line.
+std::string user_source(const std::vector<std::string>& frames, const std::string& torch_dir) {
+  if (frames.empty()) return "";
+  const bool backward = frames.back().starts_with("backward:");
+  std::string chosen;
+  for (auto it = frames.rbegin(); it != frames.rend(); ++it) {
+    if (it->starts_with("backward:") || (!torch_dir.empty() && it->starts_with(torch_dir))) continue;
+    chosen = *it;
+    break;
+  }
+  if (chosen.empty()) {
+    // No frame of the user's: the op came from torch alone (a backward node with no forward op
+    // in the region, such as AccumulateGrad); its own description is the best label.
+    chosen = frames.back();
+    if (backward) return chosen.substr(std::string("backward: ").size()) + " (backward)";
+  }
+  // "path/file.py:12 in fn": the function name has no spaces, so the last " in " ends the path.
+  const size_t in = chosen.rfind(" in ");
+  if (in != std::string::npos) chosen.resize(in);
+  const size_t slash = chosen.rfind('/');
+  if (slash != std::string::npos) chosen.erase(0, slash + 1);
+  return backward ? chosen + " (backward)" : chosen;
+}
+
+std::string torch_package_dir() {
+  py::object torch = py::module_::import("torch");
+  return py::module_::import("os.path").attr("dirname")(torch.attr("__file__")).cast<std::string>() + "/";
+}
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -108,6 +145,83 @@ class PyGraph {
     return out;
   }
 
+  // What the TraceGraph and the program hold, counted once each (the emitter's stats count
+  // emitted constructs, so a loop inside an unrolled loop counts once per copy there).
+  py::dict structure() const {
+    const trace::TraceGraph& g = state_->program.graph();
+    size_t ops = 0, loops = 0, branch_points = 0, merge_points = 0;
+    for (trace::NodeId n = 0; n < g.num_nodes(); ++n) {
+      const trace::Node& node = g.node(n);
+      ops += node.kind == trace::NodeKind::kOp;
+      loops += node.kind == trace::NodeKind::kLoop;
+      branch_points += node.children.size() > 1;
+      merge_points += node.parents.size() > 1;
+    }
+    size_t switches = 0, whiles = 0, unrolled = 0;
+    for (const trace::ProgNode& p : structured_.nodes) {
+      switches += p.kind == trace::ProgKind::kSwitch;
+      whiles += p.kind == trace::ProgKind::kWhile;
+      unrolled += p.kind == trace::ProgKind::kUnrolled;
+    }
+    py::dict d;
+    d["traces"] = num_traces_;
+    d["nodes"] = g.num_nodes();
+    d["ops"] = ops;
+    d["loops"] = loops;
+    d["while_loops"] = whiles;
+    d["unrolled_loops"] = unrolled;
+    d["switches"] = switches;
+    d["branch_points"] = branch_points;
+    d["merge_points"] = merge_points;
+    d["sites"] = structured_.sites.size();
+    return d;
+  }
+
+  // The TorchScript graph itself, shared with this object (what _C.runtime.GraphRunner takes).
+  const std::shared_ptr<torch::jit::Graph>& graph() const { return emitted_.graph; }
+
+  // Graphviz DOT of the TraceGraph as case assignment structured it, with operator names and
+  // the user's source lines. Needs the GIL (locations are described from Python code objects).
+  std::string to_dot(const std::string& title) {
+    const trace::TraceGraph& g = state_->program.graph();
+    // A node's location is on every record merged into it; the first one found is enough.
+    std::vector<std::pair<uint32_t, uint32_t>> record_of(g.num_nodes(), {UINT32_MAX, 0});
+    for (uint32_t t = 0; t < num_traces_; ++t) {
+      const auto& nodes = state_->program.record_nodes(t);
+      for (uint32_t i = 0; i < nodes.size(); ++i) {
+        if (record_of[nodes[i]].first == UINT32_MAX) record_of[nodes[i]] = {t, i};
+      }
+    }
+    const std::string torch_dir = torch_package_dir();
+    std::vector<std::string> sources(g.num_nodes());
+    for (trace::NodeId n = 0; n < g.num_nodes(); ++n) {
+      const auto [t, i] = record_of[n];
+      if (t == UINT32_MAX) continue;
+      Region& region = *state_->regions[t];
+      sources[n] = user_source(region.locations().describe(region.trace().ops[i].location), torch_dir);
+    }
+    // Loop ids are hashes with no line of their own; the first op of the body places the loop.
+    auto first_op = [&g](trace::NodeId loop) {
+      trace::NodeId n = loop;
+      while (n != trace::kNoNode && g.node(n).kind == trace::NodeKind::kLoop) {
+        const auto& kids = g.node(g.graph(g.node(n).body).start).children;
+        n = kids.empty() ? trace::kNoNode : kids.front();
+      }
+      return n != trace::kNoNode && g.node(n).kind == trace::NodeKind::kOp ? n : trace::kNoNode;
+    };
+    trace::DotNames names;
+    names.label = [this](trace::NodeId n) {
+      const emit::OpInfo* info = state_->program.info(n);
+      return info ? c10::toString(info->op.operator_name()) : std::string();
+    };
+    names.source = [&](trace::NodeId n) {
+      if (g.node(n).kind != trace::NodeKind::kLoop) return sources[n];
+      const trace::NodeId op = first_op(n);
+      return op == trace::kNoNode || sources[op].empty() ? std::string() : "body starts at " + sources[op];
+    };
+    return trace::to_dot(g, structured_, names, {.title = title});
+  }
+
   std::string describe_program() const { return trace::describe(structured_); }
   std::string describe_tracegraph() const { return trace::describe(state_->program.graph()); }
 
@@ -177,7 +291,12 @@ void init_emit(py::module_& m) {
       .def("run", &PyGraph::run, py::arg("trace"), py::arg("externals") = py::none(),
            py::arg("mode") = "interpreter")
       .def("describe_program", &PyGraph::describe_program)
-      .def("describe_tracegraph", &PyGraph::describe_tracegraph);
+      .def("describe_tracegraph", &PyGraph::describe_tracegraph)
+      .def_property_readonly("structure", &PyGraph::structure,
+                             "counts of the TraceGraph (nodes, ops, loops, branch/merge points) and program")
+      .def_property_readonly("graph", &PyGraph::graph, "the generated torch._C.Graph (shared, not a copy)")
+      .def("to_dot", &PyGraph::to_dot, py::arg("title") = "",
+           "Graphviz DOT of the TraceGraph and its switches and loops, with op names and source lines");
 
   e.def("optimize_ir", &optimize_ir, py::arg("ir"));
   e.def("external_tensors", [](const std::shared_ptr<Region>& r) { return emit::external_tensors(*r); },
