@@ -18,12 +18,15 @@ from terra_torch import _C  # noqa: E402  (needs the gate first)
 _C.check_torch_abi(torch.__version__)
 _C.install_interceptor()
 
-from terra_torch import _materialize, debug, profile  # noqa: E402
-from terra_torch.api import function, stats, synchronize, unwrap, wrap  # noqa: E402
+from terra_torch import _log, _materialize, debug, profile  # noqa: E402
+from terra_torch.api import explain, function, stats, synchronize, timeline, unwrap, wrap  # noqa: E402
+
+_log.configure()  # TERRA_LOG=debug|info|warning
 
 profile.enable_from_env()  # TERRA_PROFILE_RECORD=path: warns (never raises) when it cannot apply
 _materialize.install()  # numpy()/tolist() of a placeholder wait for its value
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "function", "synchronize", "stats", "debug", "profile", "__version__"]
+__all__ = ["wrap", "unwrap", "function", "synchronize", "stats", "explain", "timeline", "debug", "profile",
+           "__version__"]

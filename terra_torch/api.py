@@ -101,6 +101,18 @@ def stats(obj: Any) -> Stats:
     return _program_of(obj).stats()
 
 
+def explain(obj: Any) -> Any:
+    """What terra_torch did with a wrapped model or function: TraceGraph counts, the generated
+    TorchScript graph, phase statistics and every fallback with its reason and source line.
+    `.to_dot()` / `.save_png(path)` draw the TraceGraph."""
+    return _program_of(obj).explain()
+
+
+def timeline(obj: Any) -> Any:
+    """Both runners' activity as a Chrome trace (`.save("t.json")`, open in ui.perfetto.dev)."""
+    return _program_of(obj).timeline()
+
+
 def _program_of(obj: Any) -> Program:
     program = getattr(obj, "_terra_program", None)
     if program is None:

@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from terra_torch import _C
+from terra_torch import _C, _log
+from terra_torch.timeline import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 
 logger = logging.getLogger("terra_torch")
 
@@ -72,12 +73,14 @@ _lock = threading.RLock()
 
 
 def _stop_frame() -> FrameType | None:
-    """The user's frame that called into the model or function: locations are relative to it."""
+    """The frame above the user's frame that called the model or function: locations start at
+    the user's frame (its statements tell call sites apart), whose own loops, the training loop
+    among them, are ignored (Program.begin)."""
     f = sys._getframe(1)
     while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or
                              f.f_code.co_filename.startswith(_OWN_DIR)):
         f = f.f_back
-    return f
+    return f.f_back if f is not None else None
 
 
 class Program:
@@ -97,6 +100,9 @@ class Program:
         self._region_phase = ""
         self._t0 = 0
         self._stall0 = 0
+        self._counts0: dict[str, int] = {}
+        self._timeline = Timeline()
+        self._monitor = _log.DivergenceMonitor()
         _programs.add(self)
 
     # ---- iteration boundaries -----------------------------------------------------------------
@@ -112,16 +118,19 @@ class Program:
                     # Values flow between programs only as real tensors.
                     previous._session.synchronize(True)
             self._region_phase = self.phase
-            self._t0 = time.perf_counter_ns()
+            self._t0 = time.monotonic_ns()
             _active = self
             if self.phase == "eager":
                 return
             if self.phase == "coexec":
-                self._region = self._session.open(stop_frame)
+                self._region = self._session.open(stop_frame, True)
             else:
                 self._region = _C.Region("record", stop_frame)
+                self._region.ignore_outermost_loops()
                 self._region.open()
             self._stall0 = self._runner_stat("python_stall_ns")
+            raw = self._session.stats
+            self._counts0 = {k: int(raw.get(k, 0)) for k in ("decisions", "feeds", "python_reads")}
 
     def end(self, partial: bool = False) -> None:
         """End the open iteration: merge its trace, move between phases. `partial`: the iteration
@@ -138,17 +147,20 @@ class Program:
                     self._t0 = 0
                 return
             phase = self._region_phase
-            elapsed = (time.perf_counter_ns() - self._t0) / 1e9
+            elapsed = (time.monotonic_ns() - self._t0) / 1e9
             self._stats.iterations[phase] += 1
+            self._timeline.complete(f"iteration {self.iteration} ({phase})", "exec", PYTHON_RUNNER, self._t0,
+                                    time.monotonic_ns() - self._t0)
             if phase == "coexec":
                 diverged = self._session.close(region, partial)
                 stall = (self._runner_stat("python_stall_ns") - self._stall0) / 1e9
                 self._stats.python_stall_s += stall
                 self._stats.python_exec_s += max(0.0, elapsed - stall)
+                self._record_iteration_events(stall)
                 if diverged:
-                    self._record_fallback(region)
+                    fallback = self._record_fallback(region)
                     self._session.add(region)
-                    self._move("tracing")
+                    self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
             else:
                 region.close()
                 self._stats.tracing_s += elapsed
@@ -163,10 +175,10 @@ class Program:
                         # Not expressible as a graph: stay correct, run eagerly from now on.
                         self.fallbacks.append(Fallback(self.iteration, str(e), "<graph generation>"))
                         logger.warning("%s: running eagerly: %s", self.name, e)
-                        self._move("eager")
+                        self._move("eager", str(e))
                     else:
                         self._stats.graph_builds += 1
-                        self._move("coexec")
+                        self._move("coexec", "the last traced iteration added nothing new")
             self.iteration += 1
 
     def synchronize(self) -> None:
@@ -202,20 +214,57 @@ class Program:
     def _runner_stat(self, name: str) -> int:
         return int(self._session.stats.get(name, 0))
 
-    def _move(self, phase: str) -> None:
+    def _move(self, phase: str, reason: str = "") -> None:
         old, self.phase = self.phase, phase
         self._stats.transitions.append((self.iteration, old, phase))
-        logger.info("%s: iteration %d: %s -> %s", self.name, self.iteration, old, phase)
+        _log.phase_transition(self.name, old, phase, self.iteration, reason)
+        self._timeline.instant(f"{old} -> {phase}", "decision", PYTHON_RUNNER, args={"reason": reason})
 
-    def _record_fallback(self, region: Any) -> None:
+    def _record_iteration_events(self, stall_s: float) -> None:
+        # Where in the iteration Python waited is not recorded, only how long: the stall is
+        # drawn at the iteration's end, and the channel traffic as counters.
+        now = time.monotonic_ns()
+        if stall_s > 0:
+            self._timeline.complete("stalled on the graph", "stall", PYTHON_RUNNER, now - int(stall_s * 1e9),
+                                    int(stall_s * 1e9), {"position": "approximate"})
+        raw = self._session.stats
+        self._timeline.counter("channel", {k: int(raw.get(k, 0)) - v for k, v in self._counts0.items()}, now,
+                               cat="feed")
+
+    def timeline(self) -> Timeline:
+        """Both runners on one time axis (Chrome trace JSON: .save(path), open in Perfetto)."""
+        out = Timeline(origin_ns=self._timeline.origin_ns, max_events=None)
+        out._events.extend(self._timeline._events)  # noqa: SLF001 - same module family
+        for k, (start, end) in enumerate(self._session.graph_spans()):
+            out.complete(f"graph run {k}", "exec", GRAPH_RUNNER, start, end - start)
+        return out
+
+    def explain(self) -> Any:
+        from terra_torch.explain import explanation_from
+
+        s = self.stats()
+        phases = {"iterations": dict(s.iterations), "transitions": list(s.transitions),
+                  "python_exec_s": s.python_exec_s, "python_stall_s": s.python_stall_s,
+                  "graph_exec_s": s.graph_exec_s, "graph_stall_s": s.graph_stall_s, "phase": self.phase}
+        from terra_torch.explain import Fallback as ExplainedFallback
+
+        fallbacks = [ExplainedFallback(f.iteration, f.reason, f.source_line) for f in self.fallbacks]
+        return explanation_from(self._session if self._session.num_traces else None, phases, fallbacks,
+                                self._session.text or None)
+
+    def _record_fallback(self, region: Any) -> Fallback:
         reason, record = self._session.divergence()
         line = "<end of iteration>"
         if record >= 0:
             ops = region.ops()
             if record < len(ops):
                 line = _user_line(region, ops[record][5])
-        self.fallbacks.append(Fallback(self.iteration, reason, line))
+        fallback = Fallback(self.iteration, reason, line)
+        self.fallbacks.append(fallback)
         logger.info("%s: iteration %d fell back to eager at %s: %s", self.name, self.iteration, line, reason)
+        self._timeline.instant("fallback", "fallback", PYTHON_RUNNER, args={"line": line, "reason": reason})
+        self._monitor.record(self.iteration, line, reason, line)
+        return fallback
 
 
 def _user_line(region: Any, location: int) -> str:

@@ -112,6 +112,7 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
     uint64_t prefix = id;
     id = trace::hash_combine(trace::hash_combine(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
     // Every loop of this frame whose range holds lasti encloses the op (outer ranges first).
+    if (d == 0 && ignore_outermost_loops_) continue;
     for (const LoopRange& r : loop_ranges(f.code)) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
       uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);

@@ -37,6 +37,9 @@ class LocationTracker {
   // `stop_frame`: the walk stops below this frame (it and its callers are not part of
   // locations). nullptr: walk to the bottom of the stack.
   explicit LocationTracker(PyFrameObject* stop_frame);
+  // The outermost frame below the stop frame runs the training loop itself (terra_torch.wrap:
+  // one region per iteration of it): its statements are locations, its loops are not loops.
+  void ignore_outermost_loops(bool ignore) { ignore_outermost_loops_ = ignore; }
   ~LocationTracker();
   LocationTracker(const LocationTracker&) = delete;
   LocationTracker& operator=(const LocationTracker&) = delete;
@@ -52,6 +55,11 @@ class LocationTracker {
 
   // "file:line in function" per frame, outermost first. Needs the GIL.
   std::vector<std::string> describe(uint64_t id) const;
+
+ private:
+  bool ignore_outermost_loops_ = false;
+
+ public:
 
   struct LoopRange {
     int start;  // jump target (loop head)

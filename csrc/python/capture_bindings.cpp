@@ -84,6 +84,8 @@ void init_capture(py::module_& m) {
            }),
            py::arg("mode"), py::arg("stop_frame") = py::none())
       .def("open", &Region::open)
+      .def("ignore_outermost_loops", [](Region& r) { r.locations().ignore_outermost_loops(true); },
+           "The outermost frame runs the training loop: its loops are not program loops")
       .def("close", &Region::close)
       .def_property_readonly("is_open", &Region::is_open)
       .def("ops", &ops_of)

@@ -19,6 +19,7 @@
 #include "emit/graph_emitter.h"
 #include "emit/scripted_channel.h"
 #include "python/bindings.h"
+#include "python/source_label.h"
 #include "runtime/executor.h"
 #include "trace/case_assignment.h"
 #include "trace/describe.h"
@@ -37,34 +38,6 @@ using capture::Region;
 // innermost frame outside torch's own Python, skipping the "backward: ..." entry that backward
 // ops append to their forward op's frames. Returned short ("train.py:12"), since it labels a
 // node in a picture; backward ops say so, because they share their forward op's line.
-std::string user_source(const std::vector<std::string>& frames, const std::string& torch_dir) {
-  if (frames.empty()) return "";
-  const bool backward = frames.back().starts_with("backward:");
-  std::string chosen;
-  for (auto it = frames.rbegin(); it != frames.rend(); ++it) {
-    if (it->starts_with("backward:") || (!torch_dir.empty() && it->starts_with(torch_dir))) continue;
-    chosen = *it;
-    break;
-  }
-  if (chosen.empty()) {
-    // No frame of the user's: the op came from torch alone (a backward node with no forward op
-    // in the region, such as AccumulateGrad); its own description is the best label.
-    chosen = frames.back();
-    if (backward) return chosen.substr(std::string("backward: ").size()) + " (backward)";
-  }
-  // "path/file.py:12 in fn": the function name has no spaces, so the last " in " ends the path.
-  const size_t in = chosen.rfind(" in ");
-  if (in != std::string::npos) chosen.resize(in);
-  const size_t slash = chosen.rfind('/');
-  if (slash != std::string::npos) chosen.erase(0, slash + 1);
-  return backward ? chosen + " (backward)" : chosen;
-}
-
-std::string torch_package_dir() {
-  py::object torch = py::module_::import("torch");
-  return py::module_::import("os.path").attr("dirname")(torch.attr("__file__")).cast<std::string>() + "/";
-}
-
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }

@@ -10,6 +10,9 @@
 
 #include "capture/region.h"
 #include "python/bindings.h"
+#include "python/source_label.h"
+#include "trace/case_assignment.h"
+#include "trace/dot.h"
 #include "runtime/session.h"
 
 namespace py = pybind11;
@@ -44,6 +47,54 @@ py::dict session_stats(Session& s) {
   return d;
 }
 
+// Counts of the TraceGraph and its structured program (what terra_torch.explain reports).
+py::dict structure(const Session& s) {
+  const trace::TraceGraph& g = s.program().graph();
+  const trace::Program structured = trace::assign_cases(g);
+  size_t ops = 0, loops = 0, branch_points = 0, merge_points = 0;
+  for (trace::NodeId n = 0; n < g.num_nodes(); ++n) {
+    const trace::Node& node = g.node(n);
+    ops += node.kind == trace::NodeKind::kOp;
+    loops += node.kind == trace::NodeKind::kLoop;
+    branch_points += node.children.size() > 1;
+    merge_points += node.parents.size() > 1;
+  }
+  size_t switches = 0, whiles = 0, unrolled = 0;
+  for (const trace::ProgNode& p : structured.nodes) {
+    switches += p.kind == trace::ProgKind::kSwitch;
+    whiles += p.kind == trace::ProgKind::kWhile;
+    unrolled += p.kind == trace::ProgKind::kUnrolled;
+  }
+  py::dict d;
+  d["traces"] = s.num_traces();
+  d["nodes"] = g.num_nodes();
+  d["ops"] = ops;
+  d["loops"] = loops;
+  d["while_loops"] = whiles;
+  d["unrolled_loops"] = unrolled;
+  d["switches"] = switches;
+  d["branch_points"] = branch_points;
+  d["merge_points"] = merge_points;
+  d["sites"] = structured.sites.size();
+  return d;
+}
+
+std::string session_dot(const Session& s, const std::string& title) {
+  const trace::TraceGraph& g = s.program().graph();
+  const trace::Program structured = trace::assign_cases(g);
+  const std::string torch_dir = torch_package_dir();
+  std::vector<std::string> sources(g.num_nodes());
+  for (trace::NodeId n = 0; n < g.num_nodes() && n < s.node_frames().size(); ++n)
+    sources[n] = user_source(s.node_frames()[n], torch_dir);
+  trace::DotNames names;
+  names.label = [&s](trace::NodeId n) {
+    const emit::OpInfo* info = s.program().info(n);
+    return info ? c10::toString(info->op.operator_name()) : std::string();
+  };
+  names.source = [&sources](trace::NodeId n) { return n < sources.size() ? sources[n] : std::string(); };
+  return trace::to_dot(g, structured, names, {.title = title});
+}
+
 }  // namespace
 
 void init_session(py::module_& m) {
@@ -64,11 +115,11 @@ void init_session(py::module_& m) {
       .def_property_readonly("num_traces", &Session::num_traces)
       .def(
           "open",
-          [](Session& s, py::object stop_frame) {
+          [](Session& s, py::object stop_frame, bool ignore_outermost_loops) {
             auto* frame = stop_frame.is_none() ? nullptr : reinterpret_cast<PyFrameObject*>(stop_frame.ptr());
-            return s.open_region(frame);
+            return s.open_region(frame, ignore_outermost_loops);
           },
-          py::arg("stop_frame"))
+          py::arg("stop_frame"), py::arg("ignore_outermost_loops") = false)
       .def(
           "close", [](Session& s, capture::Region& region, bool partial) { return s.close_region(region, partial); },
           py::arg("region"), py::arg("partial") = false)
@@ -102,7 +153,12 @@ void init_session(py::module_& m) {
                              [](const Session& s) -> std::string {
                                return s.emitted() ? s.emitted()->graph->toString() : std::string();
                              })
-      .def_property_readonly("stats", &session_stats);
+      .def_property_readonly("stats", &session_stats)
+      .def_property_readonly("structure", &structure)
+      .def("to_dot", &session_dot, py::arg("title") = "")
+      .def("graph_spans", [](Session& s) {
+        return s.has_runner() ? s.runner().graph_spans() : std::vector<std::pair<int64_t, int64_t>>{};
+      });
 }
 
 }  // namespace terra::python

@@ -1,6 +1,8 @@
 // GraphRunner: the worker thread, its iteration queue and the outcomes Python waits for.
 #include "runtime/graph_runner.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
+
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -65,6 +67,7 @@ struct GraphRunner::State {
   std::deque<std::exception_ptr> outcomes;  // iterations waited..finished-1; null = success
   bool stopping = false;
   RunnerStats stats;
+  std::deque<std::pair<int64_t, int64_t>> spans;  // for timelines
 
   // One graph run on the worker thread; returns its error or null.
   std::exception_ptr run_once(int64_t it) {
@@ -75,6 +78,11 @@ struct GraphRunner::State {
       TORCH_CHECK(!tls.included_.has_backend(capture::kTerraBackendBit),
                   "terra_torch: the GraphRunner thread has terra's interception key in its TLS");
       c10::AutoGradMode no_grad(false);  // an op of the last run must not leave it on
+      // Below ADInplaceOrView as well: the graph's in-place updates of real tensors (parameters,
+      // optimizer state) must not bump their version counters, which Python's own placeholder
+      // ops already bumped exactly as eager would; a second, asynchronous bump makes autograd
+      // report a saved tensor as modified.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       emit::ChannelScope scope(channel.get());
       executor->run({});
       return nullptr;
@@ -128,6 +136,9 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
     const int64_t dt = ns_since(t0);
     lock.lock();
     s->stats.exec_ns += dt;
+    const int64_t start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    s->spans.emplace_back(start, start + dt);
+    if (s->spans.size() > kMaxSpans) s->spans.pop_front();
     ++(error ? s->stats.iterations_failed : s->stats.iterations_run);
     s->outcomes.push_back(std::move(error));
     ++s->finished;
@@ -221,6 +232,11 @@ bool GraphRunner::is_shut_down() const {
 int64_t GraphRunner::in_flight() const {
   std::lock_guard lock(state_->mu);
   return state_->started - state_->finished;
+}
+
+std::vector<std::pair<int64_t, int64_t>> GraphRunner::spans() const {
+  std::lock_guard lock(state_->mu);
+  return {state_->spans.begin(), state_->spans.end()};
 }
 
 RunnerStats GraphRunner::stats() const {

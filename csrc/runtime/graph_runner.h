@@ -68,6 +68,10 @@ class GraphRunner {
   // How many iterations are started and not finished.
   int64_t in_flight() const;
   RunnerStats stats() const;
+  // (start, end) of the most recent graph runs, steady-clock nanoseconds (the clock Python's
+  // time.perf_counter_ns reads on Linux), oldest first; at most kMaxSpans are kept.
+  std::vector<std::pair<int64_t, int64_t>> spans() const;
+  static constexpr size_t kMaxSpans = 4096;
 
  private:
   struct State;

@@ -28,7 +28,15 @@ bool Session::add(const capture::Region& region) {
     }
     covered = covered && cursor.finish().matched;
   }
-  program_.add(region.trace());
+  const uint32_t index = program_.add(region.trace());
+  // Described now, while the region's code objects are at hand (needs the GIL, which the
+  // caller holds): pictures label nodes with these frames.
+  const auto& nodes = program_.record_nodes(index);
+  node_frames_.resize(program_.graph().num_nodes());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (!node_frames_[nodes[i]].empty()) continue;
+    node_frames_[nodes[i]] = const_cast<capture::Region&>(region).locations().describe(region.trace().ops[i].location);
+  }
   return covered;
 }
 
@@ -49,9 +57,10 @@ PythonRunner& Session::runner() {
   return *runner_;
 }
 
-std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame) {
+std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops) {
   PythonRunner& r = runner();
   auto region = std::make_shared<capture::Region>(&r, stop_frame);
+  region->locations().ignore_outermost_loops(ignore_outermost_loops);
   region->open();
   try {
     r.begin_iteration();

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "capture/region.h"
 #include "emit/captured_program.h"
@@ -41,7 +42,7 @@ class Session {
   PythonRunner& runner();
 
   // A co-execution region whose ops the runner validates; its graph iteration is started.
-  std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame);
+  std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops = false);
   // Ends the iteration and closes the region. Returns true if it diverged. `partial`: see
   // PythonRunner::end_iteration.
   bool close_region(capture::Region& region, bool partial = false);
@@ -50,6 +51,8 @@ class Session {
   const trace::Program* structured() const { return structured_ ? &*structured_ : nullptr; }
   const emit::EmittedGraph* emitted() const { return emitted_ ? &*emitted_ : nullptr; }
   int64_t builds() const { return builds_; }
+  // Per TraceGraph node: the frames of the first record merged into it (for pictures).
+  const std::vector<std::vector<std::string>>& node_frames() const { return node_frames_; }
 
  private:
   SessionOptions options_;
@@ -58,6 +61,7 @@ class Session {
   std::optional<emit::EmittedGraph> emitted_;
   std::unique_ptr<PythonRunner> runner_;  // points into structured_ and emitted_
   int64_t builds_ = 0;
+  std::vector<std::vector<std::string>> node_frames_;
 };
 
 }  // namespace terra::runtime

@@ -1,0 +1,116 @@
+"""Seeing what a running program did (issue 8): explain() of a wrapped model draws its branches
+and merges, the timeline holds both runners, phase changes are logged, and a program that keeps
+diverging is warned about once per site while one that converges is not."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+from terra_torch import runtime
+from terra_torch._log import TerraDivergenceWarning
+
+_g = torch.Generator().manual_seed(7)
+DATA = [(torch.randn(4, 8, generator=_g), torch.randn(4, 1, generator=_g)) for _ in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    yield
+    for program in list(runtime._programs):
+        try:
+            program.close()
+        except Exception:  # noqa: BLE001
+            pass
+    runtime._active = None
+
+
+def train(model: nn.Module, steps: int, extra=None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(steps):
+        x, y = DATA[i % len(DATA)]
+        loss = F.mse_loss(model(x), y)
+        if loss > 1.0:  # a branch on a tensor value
+            loss = loss * 0.5
+        if extra is not None:
+            loss = loss + extra(i, x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    terra_torch.synchronize()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def test_explain_draws_the_branch_of_a_running_program(tmp_path):
+    m = terra_torch.wrap(mlp())
+    train(m, 12)
+    e = terra_torch.explain(m)
+    assert e.switches >= 1 and e.nodes > 10
+    assert "prim::If" in e.graph_text and "terra::case_select" in e.graph_text
+    assert e.phases["iterations"]["coexec"] > 0
+    dot = e.to_dot()
+    assert "switch" in dot and "merge" in dot and "aten::mul.Tensor" in dot
+    assert "test_observe_runtime.py" in dot  # nodes are labelled by the user's source lines
+    terra_torch.unwrap(m)
+
+
+def test_timeline_holds_both_runners(tmp_path):
+    m = terra_torch.wrap(mlp())
+    train(m, 10)
+    path = tmp_path / "timeline.json"
+    terra_torch.timeline(m).save(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert {"PythonRunner", "GraphRunner"} <= names
+    spans = [e for e in events if e.get("ph") == "X"]
+    by_thread = {e["tid"] for e in spans}
+    assert len(by_thread) == 2  # iterations on the Python side, graph runs on the worker
+    assert any(e["name"].startswith("graph run") for e in spans)
+    assert any(e.get("ph") == "i" and "coexec" in e["name"] for e in events)  # the phase change
+    terra_torch.unwrap(m)
+
+
+def test_phase_changes_are_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="terra_torch"):
+        m = terra_torch.wrap(mlp())
+        train(m, 6)
+        terra_torch.unwrap(m)
+    assert any("tracing -> coexec" in r.getMessage() for r in caplog.records)
+
+
+def test_warns_once_for_a_program_that_keeps_diverging():
+    # Odd iterations slice with a width no iteration used before: each time the graph has just
+    # been generated from an even iteration, the next odd one leaves it.
+    def extra(i, x):
+        return 0.0 * x[:, : 1 + (i // 2) % 7].sum() if i % 2 else 0.0 * x.sum()
+
+    m = terra_torch.wrap(mlp())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(m, 24, extra)
+    diverging = [w for w in caught if issubclass(w.category, TerraDivergenceWarning)]
+    assert len(diverging) == 1, [str(w.message) for w in caught]
+    assert "test_observe_runtime.py" in str(diverging[0].message)
+    assert terra_torch.stats(m).fallbacks > 3
+    terra_torch.unwrap(m)
+
+
+def test_no_warning_for_a_program_that_converges():
+    m = terra_torch.wrap(mlp())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(m, 24)
+    assert not [w for w in caught if issubclass(w.category, TerraDivergenceWarning)]
+    assert terra_torch.stats(m).fallbacks == 0
+    terra_torch.unwrap(m)
