@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from terra_torch import _C, _log
-from terra_torch.timeline import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
+from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 
 logger = logging.getLogger("terra_torch")
 
@@ -240,13 +240,13 @@ class Program:
         return out
 
     def explain(self) -> Any:
-        from terra_torch.explain import explanation_from
+        from terra_torch.explanation import explanation_from
 
         s = self.stats()
         phases = {"iterations": dict(s.iterations), "transitions": list(s.transitions),
                   "python_exec_s": s.python_exec_s, "python_stall_s": s.python_stall_s,
                   "graph_exec_s": s.graph_exec_s, "graph_stall_s": s.graph_stall_s, "phase": self.phase}
-        from terra_torch.explain import Fallback as ExplainedFallback
+        from terra_torch.explanation import Fallback as ExplainedFallback
 
         fallbacks = [ExplainedFallback(f.iteration, f.reason, f.source_line) for f in self.fallbacks]
         return explanation_from(self._session if self._session.num_traces else None, phases, fallbacks,

@@ -2,8 +2,8 @@
 
 * `_C.emit.Graph.to_dot` / `.graph` / `.structure` on recordings of a function with a branch on
   a Python bool and a Python for loop: the picture shows both cases, the merge and the loop;
-* `terra_torch.explain`: the Explanation summary, DOT and PNG (Graphviz permitting);
-* `terra_torch.timeline`: Chrome trace JSON from two threads;
+* `terra_torch.explanation`: the Explanation summary, DOT and PNG (Graphviz permitting);
+* `terra_torch.chrome_trace`: Chrome trace JSON from two threads;
 * `terra_torch._log`: TERRA_LOG levels, the phase-transition line, the divergence warning.
 """
 
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from terra_torch import _log, graph
-from terra_torch.explain import Fallback, explanation_from
-from terra_torch.timeline import Timeline
+from terra_torch.explanation import Fallback, explanation_from
+from terra_torch.chrome_trace import Timeline
 
 HERE = os.path.basename(__file__)
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")

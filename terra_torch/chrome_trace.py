@@ -177,5 +177,5 @@ class Timeline:
 def _check(cat: str) -> str:
     # A typo in a category would silently split a colour in the viewer; catch it at the source.
     if cat not in CATEGORIES:
-        raise ValueError(f"terra_torch.timeline: unknown category {cat!r}; expected one of {sorted(CATEGORIES)}")
+        raise ValueError(f"terra_torch.chrome_trace: unknown category {cat!r}; expected one of {sorted(CATEGORIES)}")
     return cat
