@@ -112,6 +112,29 @@ void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
   values_ = std::move(values);
 }
 
+void ConcurrentChannel::post_batch(std::vector<Post>& posts) {
+  if (posts.empty()) return;
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw_cancelled("Python side");
+    for (Post& p : posts) {
+      switch (p.kind) {
+        case Post::Kind::kDecision:
+          decisions_[p.key].push_back(p.value);
+          break;
+        case Post::Kind::kFeed:
+          feeds_[p.key].push_back(Fed{std::move(p.tensor), -1});
+          break;
+        case Post::Kind::kDeferredFeed:
+          feeds_[p.key].push_back(Fed{std::move(p.tensor), p.value});
+          break;
+      }
+    }
+  }
+  posts.clear();
+  graph_cv_.notify_all();
+}
+
 void ConcurrentChannel::post_gate(int64_t node) { post_decision(kGateKeyBase + node, 1); }
 
 void ConcurrentChannel::post_scalar(int64_t slot, double value) {

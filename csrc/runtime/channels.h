@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "emit/channel.h"
 
@@ -81,6 +82,15 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void post_gate(int64_t node);
   // The Python float for scalar slot `slot` (one per execution of its op).
   void post_scalar(int64_t slot, double value);
+  // Many posts under one lock and one wake-up of the graph thread (the PythonRunner batches its
+  // posts: waking the graph per op costs a context switch per op).
+  struct Post {
+    enum class Kind { kDecision, kFeed, kDeferredFeed } kind;
+    int64_t key;     // site (gates and scalars: their key range), or feed slot
+    int64_t value;   // decision value, or the value table index of a deferred feed
+    at::Tensor tensor;
+  };
+  void post_batch(std::vector<Post>& posts);
   // The value table behind publish and deferred feeds; waiters on it are woken whenever the
   // graph blocks here, so that they can tell "not yet" from "never".
   void attach_values(std::shared_ptr<ValueTable> values);

@@ -1,6 +1,7 @@
 // GraphRunner: the worker thread, its iteration queue and the outcomes Python waits for.
 #include "runtime/graph_runner.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <c10/core/GradMode.h>
@@ -113,6 +114,9 @@ GraphRunner::~GraphRunner() { stop(/*join=*/true); }
 
 void GraphRunner::worker_main(std::shared_ptr<State> s) {
   c10::setThreadName("terra_graph");
+  // A new thread's OpenMP team size is the library default (all cores), not what the user set
+  // with torch.set_num_threads; take the process setting.
+  at::init_num_threads();
   // A new thread starts with default TLS (grad mode on); the graph holds its backward ops
   // explicitly and updates leaves in place, so it runs without autograd.
   c10::GradMode::set_enabled(false);

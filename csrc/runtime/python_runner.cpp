@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Exceptions.h>
 
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -129,10 +130,8 @@ bool PythonRunner::end_iteration(bool partial) {
       diverge("the iteration ended where the traced iterations went on", -1);
     } else {
       for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
-      if (drive_ == Drive::kLazy) {
-        flush();
-        wait_for_graph(values_->expected());
-      }
+      flush();
+      if (drive_ == Drive::kLazy) wait_for_graph(values_->expected());
     }
   }
   in_iteration_ = false;
@@ -289,35 +288,38 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
 // ---- posting -----------------------------------------------------------------------------------
 
 void PythonRunner::post(Post p) {
-  if (drive_ == Drive::kLazy) pending_.push_back(std::move(p));
-  else send(std::move(p));
-}
-
-void PythonRunner::send(Post p) {
-  switch (p.kind) {
-    case Post::Kind::kDecision:
-      channel_->post_decision(p.id, p.index);
-      return;
-    case Post::Kind::kFeed:
-      channel_->post_feed(p.id, std::move(p.tensor));
-      return;
-    case Post::Kind::kDeferredFeed:
-      channel_->post_feed_deferred(p.id, p.index, std::move(p.tensor));
-      return;
-    case Post::Kind::kGate:
-      channel_->post_gate(p.id);
-      return;
-    case Post::Kind::kScalar:
-      channel_->post_scalar(p.id, p.scalar);
-      return;
-  }
+  pending_.push_back(std::move(p));
+  if (drive_ == Drive::kCoExec && pending_.size() >= kPostBatch) flush();
 }
 
 void PythonRunner::flush() {
   if (pending_.empty()) return;
-  std::vector<Post> posts;
-  posts.swap(pending_);
-  for (Post& p : posts) send(std::move(p));
+  batch_.clear();
+  for (Post& p : pending_) {
+    using K = ConcurrentChannel::Post::Kind;
+    switch (p.kind) {
+      case Post::Kind::kDecision:
+        batch_.push_back({K::kDecision, p.id, p.index, {}});
+        break;
+      case Post::Kind::kFeed:
+        batch_.push_back({K::kFeed, p.id, -1, std::move(p.tensor)});
+        break;
+      case Post::Kind::kDeferredFeed:
+        batch_.push_back({K::kDeferredFeed, p.id, p.index, std::move(p.tensor)});
+        break;
+      case Post::Kind::kGate:
+        batch_.push_back({K::kDecision, kGateKeyBase + p.id, 1, {}});
+        break;
+      case Post::Kind::kScalar: {
+        int64_t bits;
+        std::memcpy(&bits, &p.scalar, sizeof bits);
+        batch_.push_back({K::kDecision, kScalarKeyBase + p.id, bits, {}});
+        break;
+      }
+    }
+  }
+  pending_.clear();
+  channel_->post_batch(batch_);
 }
 
 // ---- waiting and values ------------------------------------------------------------------------

@@ -37,6 +37,10 @@ struct PythonRunnerStats {
   int64_t materialized = 0;    // placeholders given their value
 };
 
+// Co-execution sends posts in batches of this many (and whenever Python waits or an iteration
+// ends): the graph trails Python by at most a batch, and is woken once per batch, not per op.
+inline constexpr size_t kPostBatch = 32;
+
 // How the graph is driven: co-execution posts as Python goes, so the graph runs alongside;
 // lazy keeps the posts until Python needs a value and then waits for the graph (serialized,
 // the LazyTensor-like baseline).
@@ -98,8 +102,7 @@ class PythonRunner final : public capture::CoExecHook {
 
   Verdict diverge(std::string reason, int32_t record);
   void stop_and_materialize(const std::string& why);
-  void post(Post p);  // lazy mode: kept until flush()
-  void send(Post p);
+  void post(Post p);  // kept until flush() (co-execution: at most kPostBatch of them)
   void flush();
   // Waits until the graph has published `count` values of the output sequence; throws if it
   // failed, was cancelled, or is blocked on something Python has not sent (it never will).
@@ -118,7 +121,8 @@ class PythonRunner final : public capture::CoExecHook {
   std::unique_ptr<GraphRunner> runner_;
   trace::Cursor cursor_;
   std::vector<trace::LoopFrame> loops_;  // scratch
-  std::vector<Post> pending_;            // lazy mode
+  std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
+  std::vector<ConcurrentChannel::Post> batch_;  // scratch for flush()
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
   std::unordered_map<const c10::TensorImpl*, Link> links_;

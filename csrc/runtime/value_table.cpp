@@ -54,7 +54,8 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   e.expected = true;
   if (holder.defined() && holder.has_storage()) {
     e.holder.emplace(holder.getIntrusivePtr());
-    e.storage.emplace(holder.unsafeGetTensorImpl()->unsafe_storage().getWeakStorageImpl());
+    const c10::Storage& storage = holder.unsafeGetTensorImpl()->unsafe_storage();
+    if (storage.data() == nullptr) e.storage.emplace(storage.getWeakStorageImpl());
     e.options = holder.options();
     e.sizes.assign(holder.sizes().begin(), holder.sizes().end());
     e.strides.assign(holder.strides().begin(), holder.strides().end());
@@ -108,11 +109,12 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
   {
     std::lock_guard lock(mu_);
     for (const auto& [index, e] : entries_) {
-      if (!e.published || !e.storage || !e.value.defined()) continue;
+      if (!e.published || !e.holder || !e.value.defined()) continue;
       if (auto impl = e.holder->lock()) {
         found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
         continue;
       }
+      if (!e.storage) continue;
       auto storage = e.storage->lock();
       if (!storage) continue;
       // Only a storage is left: a plain tensor of the same layout over it receives the value.

@@ -63,15 +63,19 @@ class ValueTable {
     bool expected = false;
     bool published = false;
     std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> holder;
-    // The holder's storage: the value is needed while anything uses it, not only the holder
-    // (autograd keeps outputs it saved as separate TensorImpls over the same storage).
+    // The holder's storage when it has no memory yet: the value is needed while anything uses
+    // it, not only the holder (autograd keeps outputs it saved as separate TensorImpls over the
+    // same storage). A view of a real tensor reads that tensor's memory and needs nothing.
     std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
     c10::TensorOptions options;
     std::vector<int64_t> sizes, strides;
     int64_t storage_offset = 0;
     at::Tensor value;
   };
-  static bool dead(const Entry& e) { return !e.storage || e.storage->expired(); }
+  static bool dead(const Entry& e) {
+    if (e.storage) return e.storage->expired();
+    return !e.holder || e.holder->expired();
+  }
   [[noreturn]] static void mismatch(int64_t index, int64_t expected_tag, int64_t published_tag);
 
   mutable std::mutex mu_;
