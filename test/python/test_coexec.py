@@ -458,3 +458,84 @@ def test_wrap_rejects_bad_input():
         terra_torch.wrap(mlp(), mode="fast")
     with pytest.raises(ValueError, match="not wrapped"):
         terra_torch.stats(mlp())
+
+
+def test_keyboard_interrupt_stops_cleanly():
+    # Ctrl-C lands between two ops of an iteration: the loop stops, the graph finishes what
+    # Python validated, and the parameters are exactly eager's after the same ops.
+    def train(terra: bool):
+        torch.manual_seed(0)
+        m = mlp()
+        opt = sgd(m)
+        if terra:
+            m = terra_torch.wrap(m)
+        try:
+            for i in range(40):
+                x, y = data(i)
+                loss = F.mse_loss(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                if i == 25:
+                    raise KeyboardInterrupt
+                opt.step()
+        except KeyboardInterrupt:
+            pass
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(m).iterations["coexec"] > 0
+            terra_torch.unwrap(m)
+        return [p.detach().clone() for p in m.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+def test_interpreter_exit_in_the_middle_of_an_iteration(tmp_path):
+    # No synchronize(), no unwrap(): the process must still exit, promptly and without error.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exit_mid_iteration.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn.functional as F, terra_torch
+        torch.manual_seed(0)
+        m = terra_torch.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i in range(20):
+            loss = F.mse_loss(m(torch.ones(2, 4)), torch.zeros(2, 1))
+            opt.zero_grad(); loss.backward(); opt.step()
+        print("phase", m._terra_program.phase)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "phase coexec" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_placeholder_read_from_another_thread_gets_the_value():
+    import threading
+
+    torch.manual_seed(0)
+    m = terra_torch.wrap(mlp())
+    opt = sgd(m)
+    for i in range(6):
+        loss = plain_step(m, opt, *data(i))
+    assert terra_torch._C.is_placeholder(loss)
+    result = {}
+
+    def other():
+        try:
+            result["value"] = (loss.detach() * 2).item()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            result["error"] = e
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    terra_torch.synchronize()
+    expected = loss.detach().item() * 2
+    terra_torch.unwrap(m)
+    assert "error" not in result, result
+    assert result["value"] == expected
