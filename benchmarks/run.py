@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per repetition (override)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per cell (default 900; 300 with --quick)")
     p.add_argument("--out", default="", help="results folder (default benchmarks/results/<tag>)")
     p.add_argument("--fresh", action="store_true", help="do not merge into existing results")
     return p.parse_args(argv)
@@ -89,6 +90,7 @@ def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path,
     log = scratch / f"{program}.{runner}.log"
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    load = round(os.getloadavg()[0], 2)  # other work on the machine when the cell started
     start = time.perf_counter()
     with open(log, "w") as log_file:
         try:
@@ -101,11 +103,18 @@ def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path,
     wall = time.perf_counter() - start
     if rc == 0 and out.exists():
         result = json.loads(out.read_text())
+    elif out.exists():
+        # The worker wrote its result and then hung or crashed on the way out (a runtime's exit
+        # hooks): keep the result, and say so loudly.
+        result = json.loads(out.read_text())
+        how = f"did not exit within {args.timeout:.0f} s" if rc is None else f"exited with {rc}"
+        result.setdefault("warnings", []).append(
+            f"HARNESS: the worker wrote its result but then {how}: {_tail(log)}")
     elif rc is None:
         result = {"status": "timeout", "reason": f"no result within {args.timeout:.0f} s"}
     else:
         result = {"status": "crashed", "reason": f"worker exit code {rc}: {_tail(log)}"}
-    result.update(program=program, runner=runner, cell_wall_s=round(wall, 2),
+    result.update(program=program, runner=runner, cell_wall_s=round(wall, 2), load_avg_1m=load,
                   finished_at=dt.datetime.now().isoformat(timespec="seconds"))
     return result
 
@@ -167,6 +176,10 @@ def attach_correctness(doc: dict[str, Any]) -> None:
         for runner, cell in cells.items():
             if runner == "eager":
                 cell["correctness"] = {"verdict": compare.determinism(cell)}
+            elif runner == "terra-graph-only":
+                cell["correctness"] = compare.replay_verdict(ref, cell)
+            elif runner.startswith("terra"):
+                cell["correctness"] = compare.terra_verdict(ref, cell)
             else:
                 cell["correctness"] = compare.verdict(ref, cell)
 
@@ -181,6 +194,8 @@ def progress(cell: dict[str, Any], label: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.timeout is None:
+        args.timeout = 300.0 if args.quick else 900.0
     programs = split_names(args.only, PROGRAMS, PROGRAMS)
     runners = split_names(args.runners, KNOWN_RUNNERS, DEFAULT_RUNNERS)
     runners = ["eager"] + [r for r in runners if r != "eager"]

@@ -11,7 +11,12 @@ trajectories compare step by step. Verdicts, from best to worst:
            error, not the same result either;
   WRONG    the run finished but differs beyond that: a silently wrong result;
   error    the run failed; `prefix` says whether the steps before the failure already differed.
-Eager itself is checked by running it twice (determinism).
+terra_torch promises eager's results bit for bit, so for its co-execution runners a `close` or
+`drift` result against a deterministic eager is a MISMATCH (`terra_verdict`), never a pass.
+Eager itself is checked by running it twice (determinism). The graph-only bound replays recorded
+iterations instead of running the program, so `replay_verdict` judges it by its own check (each
+recorded iteration replayed from a snapshot of the state before it, bitwise against eager) and by
+the steps it did run as the program (step 0 and the recorded steps, against eager's).
 """
 
 from __future__ import annotations
@@ -114,3 +119,34 @@ def determinism(eager: dict[str, Any]) -> str:
     same = compare_series(eager.get("losses") or [], rerun.get("losses") or [])
     same_digest = compare_series(eager.get("digest") or [], rerun.get("digest") or [])
     return "deterministic" if same["bitwise"] and same_digest["bitwise"] else "NOT deterministic"
+
+
+def replay_verdict(ref: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """Verdict of a graph-only cell: its replay check plus the program steps it ran for real."""
+    if cell.get("status") == "unavailable":
+        return {"verdict": "n/a"}
+    if cell.get("status") != "ok":
+        return {"verdict": "error", "prefix": "none", "basis": "replay"}
+    stats = cell.get("stats") or {}
+    check = stats.get("replay_check") or {}
+    plan = stats.get("plan") or {}
+    first = int(plan.get("first_recorded_step", 1))
+    ran = (cell.get("losses") or [])[:first] + list(plan.get("recorded_losses") or [])
+    expected = (ref.get("losses") or [])[:len(ran)]
+    steps = compare_series(expected, ran)
+    replay_ok = check.get("verdict") == "bitwise"
+    verdict = "bitwise" if steps["bitwise"] and replay_ok and steps["compared"] == len(ran) else "WRONG"
+    return {"verdict": verdict, "basis": "replay", "losses": steps, "digest": None,
+            "replay": {k: check.get(k) for k in ("verdict", "iterations", "losses_bitwise",
+                                                 "state_tensors_checked", "unmapped_externals",
+                                                 "mismatches")}}
+
+
+def terra_verdict(ref: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """`verdict`, except that anything short of bitwise is a MISMATCH when eager is deterministic:
+    co-execution runs eager's own kernels in eager's order, so there is no rounding excuse."""
+    out = verdict(ref, cell)
+    if out["verdict"] in ("close", "drift") and determinism(ref) == "deterministic":
+        out["tolerance_class"] = out["verdict"]
+        out["verdict"] = "MISMATCH"
+    return out

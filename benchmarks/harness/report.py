@@ -1,10 +1,11 @@
 """Turns results.json into report.md, speedup.png and breakdown.png (no torch needed).
 
 The Markdown report leads with one table (steps/s, ratio to eager, correctness mark per cell),
-then first-call costs and compiler statistics, then every failure with its reason. The plots
-show speed-up over eager per program and runner, and the terra time breakdown (PythonRunner and
-GraphRunner execution and stall), which stays an explicit "not measured" placeholder until
-terra_torch reports those statistics.
+then correctness details, every failure with its reason, first-call costs, compiler statistics,
+terra_torch's phases and fallbacks, and the terra time breakdown per step (PythonRunner and
+GraphRunner execution and stall over the timed repetitions). The plots show speed-up over eager
+per program and runner, and that breakdown relative to eager's time per step (Figure 6 of the
+Terra paper, for these programs).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ DISPLAY_ORDER = ("eager", "compile", "compile-step", "jit-trace", "jit-script", 
                  "terra", "terra-lazy", "terra-graph-only")
 TERRA = ("terra", "terra-lazy", "terra-graph-only")
 MARKS = {"bitwise": "=", "close": "~", "drift": "~drift", "WRONG": "WRONG", "deterministic": "=",
-         "NOT deterministic": "nondet"}
+         "NOT deterministic": "nondet", "MISMATCH": "MISMATCH"}
 NOISY = 0.25  # repetition spread (max - min) / median above which a timing gets a dagger
-BREAKDOWN_KEYS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
+BREAKDOWN_KEYS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")  # + tracing_s
 
 
 # ---------------------------------------------------------------- ordering and cell text
@@ -57,9 +58,16 @@ def cell_text(doc: dict[str, Any], program: str, runner: str) -> str:
         return ""
     status = cell.get("status")
     if status == "unavailable":
-        return "n/a"
+        derived = derived_graph_only(doc, program) if runner == "terra-graph-only" else None
+        if derived is None:
+            return "n/a"
+        base = doc["cells"][program].get("eager", {}).get("steps_per_s")
+        r = f" ({derived['steps_per_s'] / base:.2f}x)" if isinstance(base, (int, float)) else ""
+        return f"d:{derived['steps_per_s']:.0f}{r}"
     if status != "ok":
-        return f"FAIL ({status})"
+        partial = (cell.get("partial") or {}).get("steps_per_s")
+        before = f"; {partial:.0f}/s before" if isinstance(partial, (int, float)) else ""
+        return f"FAIL ({status}{before})"
     r = ratio(doc, program, runner)
     mark = MARKS.get(verdict_of(cell), verdict_of(cell))
     speed = f"{cell['steps_per_s']:.0f}" + ("†" if cell.get("rep_spread", 0) > NOISY else "")
@@ -86,12 +94,27 @@ def legend() -> str:
         f"every step); `~drift` within {EARLY_RTOL:g} for the first {EARLY_STEPS} steps, beyond "
         f"{RTOL:g} only later (rounding differences amplified by training); `WRONG` ran to the "
         "end but differs beyond that (a silently wrong result); `FAIL (error|crashed|timeout)` "
-        "did not finish (reasons below); `n/a` runner not available. In the eager column the "
+        "did not finish (reasons below); `n/a` runner not available; `MISMATCH` (terra columns "
+        "only) not bitwise equal to a deterministic eager, which terra_torch promises. In the "
+        "eager column the "
         "mark is eager's own determinism (two runs compared). `†`: the timed repetitions "
         f"spread by more than {NOISY:.0%} of their median (load from other processes). "
         "Eager is timed twice per program, before and after the other runners; the table and "
         "all ratios use the faster of the two (so load on this shared machine cannot inflate a "
-        "speed-up); both are listed under Programs."
+        "speed-up); both are listed under Programs.\n\n"
+        "terra columns: `terra` is co-execution (`mode=\"coexec\"`), `terra-lazy` the "
+        "serialized baseline (`mode=\"lazy\"`: the graph runs when Python needs a value), both "
+        "through `terra_torch.wrap(model)` or, where a step calls its models several times, "
+        "`@terra_torch.function` on the step (see \"terra: phases and fallbacks\"); their "
+        "correctness mark compares the whole run with eager like every other column. "
+        "`terra-graph-only` replays recorded iterations of the generated graph on the "
+        "GraphRunner with no program Python (a bound, not a way to train): its mark is its replay "
+        "check (each recorded iteration replayed from a snapshot of the state before it must "
+        "reproduce eager's loss and state updates bit for bit) plus the steps it ran as the "
+        "program. `d:N` in that column: no replay was possible; N is **derived**, not measured: "
+        "1 / (GraphRunner exec time per co-executed iteration) from the `terra` cell. "
+        "`FAIL (error; N/s before)`: the run failed; N is the speed of the timed repetitions "
+        "that finished before the failure (for orientation only)."
     )
 
 
@@ -135,7 +158,7 @@ def compiler_table(doc: dict[str, Any]) -> str:
                 f"{stats.get('recompiles', '')} | {stats.get('recompile_limit_hits', '')} | "
                 f"{lazy} | "
                 f"{_md('; '.join(stats.get('graph_break_reasons', [])[:3]))} |")
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 2 else "No compile or lazy cell in this run."
 
 
 def failure_lines(doc: dict[str, Any]) -> list[str]:
@@ -185,9 +208,16 @@ def correctness_table(doc: dict[str, Any]) -> str:
 def _correctness_text(cell: dict[str, Any]) -> str:
     corr = cell.get("correctness", {})
     v = corr.get("verdict", "")
+    if corr.get("basis") == "replay" and corr.get("replay"):
+        rep = corr["replay"]
+        text = (f"{v} (replay: {rep.get('losses_bitwise')}/{rep.get('iterations')} losses, "
+                f"{rep.get('state_tensors_checked')} state tensors checked)")
+        return text if v == "bitwise" else f"{text}: {_md('; '.join(rep.get('mismatches') or []))[:300]}"
     losses = corr.get("losses") or {}
     if v in ("bitwise", "n/a", "") or not losses:
         return v
+    if v == "MISMATCH":
+        v = f"MISMATCH (would be '{corr.get('tolerance_class')}' for a compiler)"
     if v == "error":
         n = losses.get("compared", 0)
         return f"error after {n} steps" + (f" ({corr.get('prefix')} until then)" if n else "")
@@ -212,8 +242,25 @@ def _failure_text(cell: dict[str, Any]) -> str:
         tail = f"; steps before the failure: {prefix}" if prefix and prefix != "none" else ""
         return (f"error in {cell.get('phase')}{where}: {err.get('type')}: "
                 f"{_md(err.get('message', ''))}{tail}")
+    if corr.get("verdict") == "WRONG" and corr.get("basis") == "replay":
+        rep = corr.get("replay") or {}
+        steps = corr.get("losses") or {}
+        parts = [] if steps.get("bitwise", True) else [
+            f"recorded steps differ from eager from step {steps.get('first_diff_step')}"]
+        parts += rep.get("mismatches") or []
+        return ("graph replay WRONG (the generated graph does not reproduce eager): "
+                + _md("; ".join(parts)))
     if corr.get("verdict") == "WRONG":
         return "silently WRONG: " + _wrong_detail(corr, cell)
+    if corr.get("verdict") == "MISMATCH":
+        losses = corr.get("losses") or {}
+        digest = corr.get("digest") or {}
+        text = (f"MISMATCH with eager (terra_torch promises bitwise equality): first loss that "
+                f"differs at step {losses.get('first_diff_step')}, max rel err "
+                f"{losses.get('max_rel_err', 0):.3g}")
+        if digest and not digest.get("bitwise", True):
+            text += f"; final-state digest max rel err {digest.get('max_rel_err', 0):.3g}"
+        return text
     return ""
 
 
@@ -243,21 +290,100 @@ def _any_ok(doc: dict[str, Any], runner: str) -> bool:
     return any(c.get(runner, {}).get("status") == "ok" for c in doc["cells"].values())
 
 
-def breakdown_section(doc: dict[str, Any]) -> str:
-    measured = [(p, r) for p in ordered_programs(doc) for r in TERRA
-                if doc["cells"][p].get(r, {}).get("breakdown")]
-    if not measured:
-        return ("**NOT MEASURED.** terra_torch does not report PythonRunner/GraphRunner execution "
-                "and stall times yet; `breakdown.png` is a placeholder. The harness reads them "
-                "from `terra_torch.stats()` (keys " + ", ".join(f"`{k}`" for k in BREAKDOWN_KEYS)
-                + ") once it exists.")
-    lines = ["| program | runner | " + " | ".join(BREAKDOWN_KEYS) + " |",
-             "|---|---|" + "---|" * len(BREAKDOWN_KEYS)]
-    for program, runner in measured:
-        b = doc["cells"][program][runner]["breakdown"]
-        values = " | ".join(f"{b[k]:.3f}" for k in BREAKDOWN_KEYS)
-        lines.append(f"| {program} | {runner} | {values} |")
+def per_step_ms(cell: dict[str, Any]) -> dict[str, float] | None:
+    """The timed repetitions' runner times per step, in ms (None when not measured)."""
+    timed = cell.get("timed_counters") or {}
+    steps = timed.get("steps")
+    if not steps or "graph_exec_s" not in timed:
+        return None
+    keys = BREAKDOWN_KEYS + ("tracing_s",)
+    return {k: 1e3 * float(timed.get(k, 0.0)) / steps for k in keys}
+
+
+def derived_graph_only(doc: dict[str, Any], program: str) -> dict[str, Any] | None:
+    """Graph-only speed derived from the terra cell: 1 / (GraphRunner exec per coexec iteration).
+
+    From the timed repetitions when they finished, else from the whole cell (warm-up included).
+    """
+    cell = doc["cells"][program].get("terra", {})
+    timed = cell.get("timed_counters") or {}
+    exec_s, iters, scope = timed.get("graph_exec_s"), timed.get("iterations_coexec"), "timed"
+    if not iters:
+        objs = (cell.get("stats") or {}).get("programs") or []
+        exec_s = sum(o.get("graph_exec_s", 0.0) for o in objs)
+        iters = sum(o.get("iterations", {}).get("coexec", 0) for o in objs)
+        scope = "whole cell"
+    if not iters or not exec_s:
+        return None
+    return {"steps_per_s": iters / exec_s, "ms": 1e3 * exec_s / iters, "scope": scope,
+            "iterations": int(iters)}
+
+
+def terra_table(doc: dict[str, Any]) -> str:
+    """Per program and terra runner: how it was wrapped, phases, fallbacks and their reasons."""
+    lines = ["| program | runner | iteration = | iterations tracing / coexec / eager (whole cell) "
+             "| timed reps: coexec share | graph builds | fallbacks | first fallback reasons |",
+             "|---|---|---|---|---|---|---|---|"]
+    for program in ordered_programs(doc):
+        for runner in ("terra", "terra-lazy"):
+            cell = doc["cells"][program].get(runner)
+            stats = (cell or {}).get("stats") or {}
+            if not stats.get("programs"):
+                continue
+            ph = stats.get("phases", {})
+            timed = cell.get("timed_counters") or {}
+            total = sum(timed.get(f"iterations_{p}", 0) for p in ("tracing", "coexec", "eager"))
+            share = f"{timed.get('iterations_coexec', 0) / total:.0%}" if total else "-"
+            wrapped = ", ".join(o["wrapped"] for o in stats["programs"])
+            builds = sum(o.get("graph_builds", 0) for o in stats["programs"])
+            reasons = [r for o in stats["programs"] for r in o.get("fallback_reasons", [])]
+            lines.append(
+                f"| {program} | {runner} | {wrapped} | {ph.get('tracing', 0)} / "
+                f"{ph.get('coexec', 0)} / {ph.get('eager', 0)} | {share} | {builds} | "
+                f"{stats.get('fallbacks', 0)} | {_md('; '.join(reasons[:2]))[:400]} |")
     return "\n".join(lines)
+
+
+def breakdown_section(doc: dict[str, Any]) -> str:
+    rows = []
+    for program in ordered_programs(doc):
+        cells = doc["cells"][program]
+        eager = cells.get("eager", {}).get("steps_per_s")
+        eager_ms = f"{1e3 / eager:.3f}" if isinstance(eager, (int, float)) else ""
+        derived = derived_graph_only(doc, program)
+        derived_ms = f"{derived['ms']:.3f}" if derived else ""
+        replay = cells.get("terra-graph-only", {})
+        replay_ms = (f"{1e3 / replay['steps_per_s']:.3f}"
+                     if replay.get("status") == "ok" and replay.get("steps_per_s") else "")
+        for runner in ("terra", "terra-lazy"):
+            cell = cells.get(runner, {})
+            b = per_step_ms(cell)
+            if b is None:
+                continue
+            wall = f"{1e3 / cell['steps_per_s']:.3f}" if cell.get("steps_per_s") else ""
+            values = " | ".join(f"{b[k]:.3f}" for k in BREAKDOWN_KEYS + ("tracing_s",))
+            other = ""
+            if cell.get("steps_per_s"):
+                accounted = b["python_exec_s"] + b["python_stall_s"] + b["tracing_s"]
+                other = f"{1e3 / cell['steps_per_s'] - accounted:.3f}"
+            rows.append(f"| {program} | {runner} | {wall} | {values} | {other} | {eager_ms} | "
+                        f"{replay_ms} | {derived_ms if runner == 'terra' else ''} |")
+    if not rows:
+        return "No terra cell finished its timed repetitions: nothing to break down."
+    head = ("Milliseconds per step over the timed repetitions (warm-up and tracing of the first "
+            "iterations excluded), as `terra_torch.stats()` reports them: PythonRunner exec "
+            "(Python running the program, co-executed iterations) and stall (Python waiting for "
+            "a value from the graph), GraphRunner exec (the graph computing) and stall (the graph "
+            "waiting for Python's decisions and feeds), and tracing (iterations run eagerly while "
+            "recording); `other` is the wall time per step (median repetition) minus the Python "
+            "times, i.e. what no iteration accounts for (waiting in `synchronize` at the end of "
+            "each repetition, and timing noise). `graph-only replay` is the `terra-graph-only` cell's measured time per "
+            "replayed step; `graph exec (derived)` is GraphRunner exec per co-executed iteration "
+            "of the `terra` cell: the same bound, derived from statistics, not measured.")
+    table = ["| program | runner | wall | Python exec | Python stall | graph exec | graph stall "
+             "| tracing | other | eager | graph-only replay | graph exec (derived) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
+    return head + "\n\n" + "\n".join(table)
 
 
 def program_lines(doc: dict[str, Any]) -> list[str]:
@@ -279,7 +405,7 @@ def markdown(doc: dict[str, Any]) -> str:
                           for c in cells.values() if c.get("torch")), "?")
     m = meta.get("machine", {})
     parts = [
-        "# terra_torch benchmarks: eager vs peers" + (" (quick)" if s.get("quick") else ""),
+        "# terra_torch benchmarks: eager, peers and terra" + (" (quick)" if s.get("quick") else ""),
         "",
         f"Updated {meta.get('updated')}; torch {torch_version}; Python {m.get('python')}; "
         f"{m.get('cpus')} CPUs (load {m.get('load_avg_1m')} at the end); {m.get('platform')}.",
@@ -323,6 +449,16 @@ def markdown(doc: dict[str, Any]) -> str:
         "(a data-dependent `if` inside a loop), and for a frame past the recompile limit.",
         "",
         compiler_table(doc),
+        "",
+        "## terra: phases and fallbacks",
+        "",
+        "How each program was co-executed: the wrapped object (`wrap(Model)`: an iteration runs "
+        "from one forward call to the next; `function(step)`: one call of the training step), "
+        "the iterations per phase over the whole cell (first step and warm-up included), the "
+        "share of co-executed iterations in the timed repetitions, and why iterations fell back "
+        "to eager (a divergence from the traced iterations, or a graph that cannot be generated).",
+        "",
+        terra_table(doc),
         "",
         "## Time breakdown (terra PythonRunner / GraphRunner)",
         "",
@@ -373,7 +509,8 @@ def plot_speedup(doc: dict[str, Any], path: Path) -> None:
     ax.set_xticklabels(programs, rotation=20, ha="right")
     ax.set_ylabel("steps/s relative to eager (log scale; 1 = eager)")
     ax.set_title("Speed-up over eager (same seed, checked against eager). Red /// = WRONG result; "
-                 "dotted = drift; x = failed; n/a = unavailable", fontsize=10)
+                 "red xx = terra not bitwise (MISMATCH);\ndotted = drift; x = failed; n/a = "
+                 "unavailable; hollow d: = derived from statistics, not measured", fontsize=9)
     ax.legend(handles=handles, ncol=min(4, len(runners)), fontsize=8, loc="upper left")
     ax.set_xlim(-0.5, len(programs) - 0.5)
     ax.grid(axis="y", which="both", alpha=0.3)
@@ -388,49 +525,100 @@ def _bar(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float, widt
     if cell is None:
         return
     r = ratio(doc, program, runner)
-    if cell.get("status") == "unavailable":
+    derived = derived_graph_only(doc, program) if runner == "terra-graph-only" else None
+    base = doc["cells"][program].get("eager", {}).get("steps_per_s")
+    if cell.get("status") == "unavailable" and derived and isinstance(base, (int, float)):
+        # Not measured: derived from the terra cell's statistics; drawn hollow and labelled.
+        d = derived["steps_per_s"] / base
+        ax.bar(x, d, width, facecolor="none", edgecolor=color, hatch="..", linewidth=1.0)
+        ax.text(x, d * 1.08, f"d:{d:.2g}", rotation=90, ha="center", va="bottom", fontsize=6)
+    elif cell.get("status") == "unavailable":
         ax.text(x, 0.012, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="gray")
     elif r is None or cell.get("status") != "ok":
         ax.text(x, 0.012, "x", ha="center", va="bottom", fontsize=9, color=color, weight="bold")
     else:
-        hatch, edge = {"WRONG": ("///", "red"), "drift": ("..", "black")}.get(
-            verdict_of(cell), (None, None))
+        hatch, edge = {"WRONG": ("///", "red"), "MISMATCH": ("xx", "red"),
+                       "drift": ("..", "black")}.get(verdict_of(cell), (None, None))
         ax.bar(x, r, width, color=color, hatch=hatch, edgecolor=edge or color,
                linewidth=1.2 if edge else 0)
         ax.text(x, r * 1.08, f"{r:.2g}", rotation=90, ha="center", va="bottom", fontsize=6)
 
 
+PY_PARTS = (("python_exec_s", "Python exec", "#1f77b4", None),
+            ("python_stall_s", "Python stall", "#aec7e8", None),
+            ("tracing_s", "tracing (eager, recorded)", "#c7c7c7", "//"))
+GRAPH_PARTS = (("graph_exec_s", "graph exec", "#ff7f0e", None),
+               ("graph_stall_s", "graph stall", "#ffbb78", None))
+
+
 def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
-    """Stacked per-program bars of terra's time breakdown, or a clearly marked placeholder."""
+    """Figure-6-like: per program, PythonRunner and GraphRunner time per step (stacked exec,
+    stall, tracing) relative to eager's time per step, one panel per terra mode; markers for the
+    measured graph-only replay and the derived graph exec per iteration."""
     plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     programs = ordered_programs(doc)
-    fig, axes = plt.subplots(1, len(TERRA), figsize=(5 * len(TERRA), 4.5), sharey=True)
-    for ax, runner in zip(axes, TERRA):
-        data = [doc["cells"][p].get(runner, {}).get("breakdown") for p in programs]
-        if not any(data):
-            ax.text(0.5, 0.5, "NOT MEASURED\nterra_torch reports no\nPythonRunner/GraphRunner\n"
-                    "exec/stall times yet", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=12, color="firebrick")
-        else:
-            _stacked(ax, programs, data)
-        ax.set_title(runner)
-        ax.set_xlim(-0.5, len(programs) - 0.5)
-        ax.set_xticks(range(len(programs)))
-        ax.set_xticklabels(programs, rotation=45, ha="right", fontsize=8)
-    axes[0].set_ylabel("seconds (as terra_torch.stats() reports)")
-    fig.suptitle("Time breakdown per runner (terra co-execution)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(2, 1, figsize=(max(11, 1.2 * len(programs)), 8.5), sharex=True)
+    for ax, runner in zip(axes, ("terra", "terra-lazy")):
+        top = 0.0
+        for j, program in enumerate(programs):
+            top = max(top, _breakdown_bars(ax, doc, program, runner, j))
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_ylim(0, min(max(2.0, top * 1.15), 8.0))
+        ax.set_ylabel("time per step / eager's")
+        ax.set_title(f"{runner}: left bar PythonRunner, right bar GraphRunner (timed repetitions)",
+                     fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[-1].set_xticks(range(len(programs)))
+    axes[-1].set_xticklabels(programs, rotation=20, ha="right")
+    axes[-1].set_xlim(-0.6, len(programs) - 0.4)
+    handles = [Patch(facecolor=c, hatch=h, label=lbl, edgecolor="gray")
+               for _, lbl, c, h in PY_PARTS + GRAPH_PARTS]
+    handles += [Line2D([], [], color="black", label="eager = 1"),
+                Line2D([], [], color="green", marker="v", linestyle="", label="graph-only replay"),
+                Line2D([], [], color="purple", marker="x", linestyle="",
+                       label="graph exec per iteration (derived)")]
+    fig.legend(handles=handles, ncol=4, fontsize=8, loc="lower center")
+    fig.suptitle("Where a step's time goes under terra_torch (ms per step / eager's ms per step; "
+                 "numbers above the bars: ms per step of the cell)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _stacked(ax: Any, programs: list[str], data: list[dict[str, float] | None]) -> None:
-    bottom = [0.0] * len(programs)
-    for key in BREAKDOWN_KEYS:
-        values = [(d or {}).get(key, 0.0) for d in data]
-        ax.bar(range(len(programs)), values, bottom=bottom, label=key)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.legend(fontsize=7)
+def _breakdown_bars(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float) -> float:
+    """Two stacked bars at x for one cell; returns the tallest value drawn (eager units)."""
+    cells = doc["cells"][program]
+    eager = cells.get("eager", {}).get("steps_per_s")
+    cell = cells.get(runner, {})
+    b = per_step_ms(cell)
+    if not isinstance(eager, (int, float)) or b is None:
+        why = "n/a" if cell.get("status") in (None, "unavailable") else "FAIL"
+        ax.text(x, 0.05, why, ha="center", va="bottom", fontsize=7, color="firebrick", rotation=90)
+        return 0.0
+    eager_ms = 1e3 / eager
+    tallest = 0.0
+    for offset, parts in ((-0.18, PY_PARTS), (0.18, GRAPH_PARTS)):
+        bottom = 0.0
+        for key, _, color, hatch in parts:
+            value = b[key] / eager_ms
+            ax.bar(x + offset, value, 0.34, bottom=bottom, color=color, hatch=hatch,
+                   edgecolor="gray", linewidth=0.3)
+            bottom += value
+        tallest = max(tallest, bottom)
+    if cell.get("steps_per_s"):
+        ax.text(x, tallest + 0.03, f"{1e3 / cell['steps_per_s']:.2g} ms", ha="center",
+                va="bottom", fontsize=6)
+    replay = cells.get("terra-graph-only", {})
+    if replay.get("status") == "ok" and replay.get("steps_per_s"):
+        ax.plot([x + 0.18], [(1e3 / replay["steps_per_s"]) / eager_ms], marker="v",
+                color="green", markersize=6)
+    derived = derived_graph_only(doc, program) if runner == "terra" else None
+    if derived:
+        ax.plot([x + 0.18], [derived["ms"] / eager_ms], marker="x", color="purple", markersize=6)
+    return tallest
 
 
 def write_all(doc: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -6,18 +6,25 @@ small class; RUNNERS maps the command-line name to a factory. Runners import the
 (inside methods), so importing this module costs only `import torch`.
 
 Adding a runner: subclass Runner, override what differs, and add it with `register_runner`. The
-terra runners below are the plug-in point for terra_torch; see docs/BENCHMARKS.md.
+terra_torch runners live in benchmarks/harness/terra.py (registered below); see docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import types
 from typing import Any, Callable
 
 import torch
 
 StepFn = Callable[[Any, int], Any]
+
+
+class RunnerUnavailable(Exception):
+    """Raised by a runner once it finds, after the program is built, that it cannot run it (the
+    graph-only bound when the graph needs input a replay cannot give): recorded like
+    `unavailable_reason`, as "n/a" with the reason, not as a failure of the program."""
 
 
 class Runner:
@@ -33,6 +40,9 @@ class Runner:
 
     def setup(self) -> None:
         """Called once per worker process, before the program is built."""
+
+    def bind_program(self, module: types.ModuleType) -> None:
+        """Called with the program's module before it is built (its optional settings)."""
 
     def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
         """What `rt.wrap(model, example_inputs)` returns."""
@@ -55,6 +65,12 @@ class Runner:
     def breakdown(self) -> dict[str, float] | None:
         """Time breakdown (PythonRunner/GraphRunner exec and stall); None = not measured."""
         return None
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative numbers (seconds, iteration counts) read before and after the timed
+        repetitions; the worker reports their difference, so the first step and warm-up (tracing,
+        graph generation) do not blur the steady-state breakdown."""
+        return {}
 
 
 class CompileRunner(Runner):
@@ -162,69 +178,6 @@ class LazyRunner(Runner):
                 if name in present}
 
 
-class TerraRunner(Runner):
-    """terra_torch, plugged in once the package exposes `wrap` or `function`.
-
-    mode: "coexec" (co-execution), "lazy" (serialized: Python waits for each graph run),
-    "graph-only" (graph execution with no Python overlap). Until terra_torch provides the entry
-    points, `unavailable_reason` says so and the column stays empty: nothing is faked.
-    """
-
-    API_NAMES = ("wrap", "function")
-
-    def __init__(self, name: str, mode: str) -> None:
-        self.name = name
-        self.mode = mode
-        self.note = f"terra_torch, mode={mode}"
-        self._terra: Any = None
-
-    def unavailable_reason(self) -> str | None:
-        try:
-            import terra_torch
-        except Exception as exc:
-            return f"import terra_torch failed: {type(exc).__name__}: {_first_line(exc)}"
-        if not any(hasattr(terra_torch, api) for api in self.API_NAMES):
-            return "not available yet: terra_torch has neither wrap nor function"
-        self._terra = terra_torch
-        return None
-
-    def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
-        # With terra_torch.function the step is the iteration; models are then left alone.
-        if hasattr(self._terra, "function"):
-            return model
-        return self._terra.wrap(model, mode=self.mode)
-
-    def wrap_step(self, step: StepFn) -> StepFn:
-        if hasattr(self._terra, "function"):
-            return self._terra.function(step, mode=self.mode)
-        return step
-
-    def sync(self) -> None:
-        synchronize = getattr(self._terra, "synchronize", None)
-        if callable(synchronize):
-            synchronize()
-
-    def stats(self) -> dict[str, Any]:
-        raw = _terra_stats(self._terra)
-        return {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool))}
-
-    def breakdown(self) -> dict[str, float] | None:
-        raw = _terra_stats(self._terra)
-        keys = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s")
-        if not all(isinstance(raw.get(k), (int, float)) for k in keys):
-            return None
-        return {k: float(raw[k]) for k in keys}
-
-
-def _terra_stats(terra: Any) -> dict[str, Any]:
-    """terra_torch.stats() when it exists (a dict), else {}."""
-    fn = getattr(terra, "stats", None)
-    if not callable(fn):
-        return {}
-    result = fn()
-    return dict(result) if isinstance(result, dict) else {}
-
-
 RunnerFactory = Callable[[], Runner]
 
 RUNNERS: dict[str, RunnerFactory] = {}
@@ -248,9 +201,26 @@ register_runner("compile-step", CompileStepRunner)
 register_runner("jit-trace", TraceRunner)
 register_runner("jit-script", ScriptRunner)
 register_runner("lazy", LazyRunner)
-register_runner("terra", lambda: TerraRunner("terra", "coexec"))
-register_runner("terra-lazy", lambda: TerraRunner("terra-lazy", "lazy"))
-register_runner("terra-graph-only", lambda: TerraRunner("terra-graph-only", "graph-only"))
+
+
+def _terra(name: str, mode: str) -> RunnerFactory:
+    def make() -> Runner:
+        from benchmarks.harness.terra import TerraRunner
+
+        return TerraRunner(name, mode)
+
+    return make
+
+
+def _graph_only() -> Runner:
+    from benchmarks.harness.terra import GraphOnlyRunner
+
+    return GraphOnlyRunner()
+
+
+register_runner("terra", _terra("terra", "coexec"))
+register_runner("terra-lazy", _terra("terra-lazy", "lazy"))
+register_runner("terra-graph-only", _graph_only)
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:

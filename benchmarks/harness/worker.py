@@ -9,7 +9,9 @@ and, on failure, where and why it failed.
 
 Timing: step 0 alone (first call: tracing, compiling), then `warmup` untimed repetitions, then
 `reps` timed repetitions of `steps_per_rep` steps each; every repetition ends with runner.sync().
-Losses are converted to floats only after all repetitions, outside the timed region.
+Losses are converted to floats only after all repetitions, outside the timed region. The
+runner's cumulative counters (terra: per-runner times and phase counts) are read before and
+after the timed repetitions, so their difference describes the steady state only.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def run_cell(program: str, runner_name: str, cfg: CellConfig) -> dict[str, Any]:
 
 def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
     """Build, first step, warm-up, timed repetitions; returns timings and trajectory."""
+    from benchmarks.harness.runners import RunnerUnavailable
     from benchmarks.harness.runtime import Runtime, load_program
 
     module = load_program(program)
@@ -82,7 +85,9 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
     phase = "build"
     outputs: list[Any] = []
     at: dict[str, Any] = {}
+    rep_times: list[float] = []
     try:
+        runner.bind_program(module)
         rt = Runtime(device=runner.device, wrap_hook=runner.wrap_model)
         start = time.perf_counter()
         state = module.build(cfg.seed, rt)
@@ -92,10 +97,13 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
         step = runner.wrap_step(module.step)
         phase = "steps"
         out["first_step_s"] = _time_steps(step, runner, state, 0, 1, outputs, at)
-        rep_times = []
+        before: dict[str, float] = {}
         for rep in range(cfg.warmup + cfg.reps):
+            if rep == cfg.warmup:
+                before = runner.counters()
             first = 1 + rep * spr
             rep_times.append(_time_steps(step, runner, state, first, spr, outputs, at))
+        out["timed_counters"] = _difference(runner.counters(), before, cfg.reps * spr)
         out.update(_timing_summary(rep_times[cfg.warmup:], spr))
         out["warmup_rep_s"] = rep_times[:cfg.warmup]
         phase = "digest"
@@ -103,9 +111,19 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
     except BaseException as exc:  # record and return: the cell failed, the harness goes on
         if isinstance(exc, KeyboardInterrupt):
             raise
+        if isinstance(exc, RunnerUnavailable):
+            out.update(status="unavailable", reason=str(exc))
+            out["losses"], out["steps_total"] = _to_floats(outputs), len(outputs)
+            return out
         if phase == "steps":
             stage = "" if at.get("stage") == "step" else f" ({at.get('stage')})"
             phase = f"step {at.get('step')}{stage}"
+            # Timed repetitions that finished before the failure: a speed worth knowing, shown
+            # only next to the failure, never as the cell's result.
+            done = rep_times[cfg.warmup:]
+            if done:
+                out["partial"] = {"timed_reps": len(done),
+                                  "steps_per_s": _timing_summary(done, spr)["steps_per_s"]}
         out.update(status="error", phase=phase, error=_describe(exc))
     out["losses"] = _to_floats(outputs)
     out["steps_total"] = len(outputs)
@@ -118,6 +136,7 @@ def _untimed_run(program: str, runner: Any, cfg: CellConfig, steps: int) -> dict
 
     module = load_program(program)
     outputs: list[Any] = []
+    runner.bind_program(module)
     rt = Runtime(device=runner.device, wrap_hook=runner.wrap_model)
     state = module.build(cfg.seed, rt)
     step = runner.wrap_step(module.step)
@@ -144,6 +163,14 @@ def _time_steps(step: Any, runner: Any, state: Any, first: int, count: int,
         at["stage"] = "sync"
         runner.sync()
     return time.perf_counter() - start
+
+
+def _difference(after: dict[str, float], before: dict[str, float], steps: int) -> dict[str, Any]:
+    """Counters accumulated during the timed repetitions (runner-specific keys), and the steps."""
+    if not after:
+        return {}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {"steps": steps, **delta}
 
 
 def _program_steps(module: Any, quick: bool) -> int:

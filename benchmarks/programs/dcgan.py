@@ -21,6 +21,9 @@ DESCRIPTION = "DCGAN 16x16: ConvT generator, conv discriminator (BatchNorm), 2 x
 FEATURES = ("two-models", "two-optimizers", "shared-module-call-sites", "rng-in-loop")
 STEPS_PER_REP = 48
 QUICK_STEPS_PER_REP = 12
+# The discriminator runs three times per step: with terra_torch.wrap each call would start an
+# iteration, so terra's runners make the whole step the iteration (terra_torch.function).
+TERRA_ITERATION = "step"
 
 NZ = 16
 BATCH = 8

@@ -22,6 +22,9 @@ DESCRIPTION = ("fixed-point refinement until converged (<=8) in forward; "
 FEATURES = ("while-tensor-cond-in-forward", "value-dependent-inner-steps")
 STEPS_PER_REP = 160
 QUICK_STEPS_PER_REP = 40
+# The model runs 1 to 3 times per step: with terra_torch.wrap each call would start an
+# iteration, so terra's runners make the whole step the iteration (terra_torch.function).
+TERRA_ITERATION = "step"
 
 
 class RefineNet(nn.Module):
