@@ -1,0 +1,318 @@
+"""`torch.compile(model, backend="terra")`: Dynamo's graphs run through terra_torch (issue 6).
+
+Why this exists: users who already call `torch.compile` should get terra_torch by naming a
+backend, without rewriting their loop around `terra_torch.wrap`. Dynamo hands the backend one FX
+graph per region between graph breaks; AOTAutograd splits each into a forward and a backward
+graph (or one inference graph), and every one of those becomes a co-executed program of its own
+(`runtime.Program`): while Python walks the graph's ops, each op only validates itself and
+returns a placeholder, and terra_torch's worker thread runs the generated graph alongside.
+
+The iteration boundary is one call of one graph, synchronized before the call returns, so every
+tensor Dynamo, AOTAutograd or the user's code sees between two graphs is a real tensor. Keeping
+the iteration open until the next graph call (terra_torch.function's rule) would let the Python
+between graph breaks overlap the graph too, but Dynamo evaluates the next frame's guards inside
+that open iteration, and its tensor guards compare dispatch key sets, which include the thread's
+included keys (terra's interception key while a region is open) and a placeholder's own keys
+(no CPU key until it has a value); both make every such frame recompile, and the recompile then
+fake-ifies a placeholder. docs/DYNAMO_BACKEND.md has the measurements and reproductions.
+
+Registered with Dynamo through the `torch_dynamo_backends` entry point (pyproject.toml), so
+`backend="terra"` works without importing terra_torch first.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch._dynamo
+
+from terra_torch import runtime
+
+logger = logging.getLogger("terra_torch")
+
+# Dynamo must treat terra_torch's Python as opaque. terra_torch replaces Tensor.numpy (and other
+# data reads) with Python wrappers (_materialize.py). Traced into, they graph-break on terra's C++
+# calls and leave resume functions inside terra_torch; and when Dynamo had already run before
+# terra_torch was imported, the code it generates for a `.numpy()` call enters the wrapper,
+# which Dynamo compiles into another `.numpy()` call: unbounded recursion (a reproduction is in
+# docs/DYNAMO_BACKEND.md). Skipped, `.numpy()` in compiled code is a plain graph break.
+try:
+    torch._dynamo.trace_rules.add("terra_torch")
+except Exception as _e:  # noqa: BLE001 - a private Dynamo API: the backend still works without it
+    logger.warning("terra backend: cannot keep Dynamo out of terra_torch's code (%s); "
+                   "a `.numpy()` inside a compiled function may recurse", _e)
+
+# The options `torch.compile(..., backend="terra", options={...})` accepts, with their defaults.
+# Kept explicit (not **kwargs passed through) so that a misspelt option fails at compile time
+# instead of silently doing nothing.
+OPTION_DEFAULTS: dict[str, Any] = {"mode": "coexec", "optimize": False}
+MODES = ("coexec", "lazy")
+
+
+class TerraBackendOptionError(ValueError):
+    """An option `backend="terra"` does not know, or a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class TerraOptions:
+    """What the backend was asked for.
+
+    mode: "coexec" (the graph runs on terra's worker thread while Python validates the ops) or
+        "lazy" (the graph runs only when Python needs a value: serialized, for comparison).
+    optimize: run TorchScript's optimization passes on the generated graph.
+    """
+
+    mode: str = "coexec"
+    optimize: bool = False
+
+
+def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
+    """Turn what Dynamo passes the backend into TerraOptions, rejecting anything unknown.
+
+    torch.compile passes `options={...}` as the keyword `options`, and its own `mode=` (which
+    it forbids together with options) as the keyword `mode`; a direct call of terra_backend may
+    also give the options as keywords. All three spellings are accepted; a conflict is an error.
+    """
+    merged: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "options":
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise TerraBackendOptionError(
+                    f"terra backend: options must be a dict, got {type(value).__name__}")
+            items = list(value.items())
+        else:
+            items = [(key, value)]
+        for name, v in items:
+            if name in merged and merged[name] != v:
+                raise TerraBackendOptionError(f"terra backend: option {name!r} given twice ({merged[name]!r}, {v!r})")
+            merged[name] = v
+    unknown = sorted(set(merged) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise TerraBackendOptionError(
+            f"terra backend: unknown option(s) {', '.join(map(repr, unknown))}; allowed options: "
+            f"mode ({' | '.join(map(repr, MODES))}, default {OPTION_DEFAULTS['mode']!r}), "
+            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r})")
+    mode = merged.get("mode", OPTION_DEFAULTS["mode"])
+    if mode not in MODES:
+        raise TerraBackendOptionError(
+            f"terra backend: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r} "
+            f"(torch.compile's own modes such as 'max-autotune' are Inductor's)")
+    optimize = merged.get("optimize", OPTION_DEFAULTS["optimize"])
+    if not isinstance(optimize, bool):
+        raise TerraBackendOptionError(f"terra backend: optimize must be a bool, got {optimize!r}")
+    return TerraOptions(mode=mode, optimize=optimize)
+
+
+@dataclass
+class CompiledGraph:
+    """One graph the backend compiled: an AOTAutograd forward, backward or inference graph."""
+
+    name: str
+    kind: str  # "forward" | "backward" | "inference"
+    dynamo_graph: int  # which Dynamo graph (backend call) it came from
+    num_ops: int  # call_function nodes in the FX graph
+    program: runtime.Program | None
+    options: TerraOptions = field(default_factory=TerraOptions)
+    # Set when the graph cannot be co-executed: every call runs the graph module eagerly.
+    eager_reason: str | None = None
+    # Graphs with side effects Python could observe besides their outputs (in-place updates,
+    # random draws) end each call with a full Program.synchronize().
+    full_sync: bool = True
+    calls: int = 0
+    sync_s: float = 0.0  # time Python waited at the end of calls for the graph to finish
+    eager_calls: int = 0  # calls that ran the graph module eagerly, see eager_reasons
+    eager_reasons: list[str] = field(default_factory=list)
+
+    def stats(self) -> runtime.Stats | None:
+        return None if self.program is None else self.program.stats()
+
+    @property
+    def _terra_program(self) -> runtime.Program | None:  # terra_torch.stats(graph) works too
+        return self.program
+
+
+_registry_lock = threading.Lock()
+_graphs: list[CompiledGraph] = []
+_num_dynamo_graphs = 0
+
+
+def graphs() -> list[CompiledGraph]:
+    """Every graph compiled since the last reset, in compilation order."""
+    with _registry_lock:
+        return list(_graphs)
+
+
+def num_dynamo_graphs() -> int:
+    """How many graphs Dynamo has handed this backend since the last reset."""
+    with _registry_lock:
+        return _num_dynamo_graphs
+
+
+def reset() -> None:
+    """Stop every program the backend made and forget them. torch._dynamo.reset() calls this
+    (it resets every backend that has a `reset`), since it drops the compiled code that would
+    have called them; a graph called after this (an autograd graph kept across the reset) runs
+    eagerly."""
+    global _num_dynamo_graphs
+    with _registry_lock:
+        old = list(_graphs)
+        _graphs.clear()
+        _num_dynamo_graphs = 0
+    for g in old:
+        if g.program is not None:
+            program, g.program = g.program, None
+            try:
+                program.close()
+            except Exception as e:  # noqa: BLE001 - one broken program must not keep the others running
+                logger.warning("terra backend: closing %s failed: %s", g.name, e)
+
+
+class _GraphCall:
+    """The callable AOTAutograd gets for one graph (boxed calling convention: one list argument,
+    which the callee may empty so that inputs die as early as possible)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, record: CompiledGraph) -> None:
+        # An instance attribute, not a class one: AOTAutograd wraps the backward callable in
+        # torch._dynamo.disable, whose functools.wraps copies only the instance's __dict__.
+        self._boxed_call = True
+        self._gm = gm
+        self._record = record
+        self._warned: set[str] = set()
+
+    @property
+    def _terra_program(self) -> runtime.Program | None:  # lets terra_torch.stats(call) work
+        return self._record.program
+
+    def __call__(self, args: list[Any]) -> Any:
+        flat = list(args)
+        args.clear()
+        record = self._record
+        record.calls += 1
+        program = record.program
+        if record.eager_reason is not None:
+            return self._eager(flat, record.eager_reason)
+        if program is None:
+            return self._eager(flat, "its program was closed by reset()")
+        outer = runtime.active()
+        if outer is not None and outer is not program:
+            # The user co-executes the surrounding loop with terra_torch.wrap/function: the open
+            # iteration records this graph's ops as its own, which is what that program expects.
+            return self._eager(flat, f"it runs inside {outer.name}'s open iteration")
+        # The stop frame is this frame, so op locations are those of the graph module's code
+        # alone, whichever Dynamo/AOTAutograd wrappers called it (they differ on the first call).
+        phase, fallbacks = program.phase, len(program.fallbacks)
+        program.begin(sys._getframe())
+        try:
+            out = self._gm(*flat)
+        except BaseException:
+            program.synchronize()  # ends the iteration as partial: it taught nothing
+            raise
+        program.end()
+        # Values leave the program as real tensors: Dynamo's guards and AOTAutograd's wrappers
+        # look at what this returns, and they must not see a placeholder (see the module doc).
+        t0 = time.perf_counter()
+        clean_coexec = phase == "coexec" and program.phase == "coexec" and len(program.fallbacks) == fallbacks
+        if clean_coexec and not record.full_sync:
+            # Only the outputs escape the call, so only they need values; Program.synchronize
+            # would also refresh every other value the runtime still tracks and wait for the
+            # graph's whole iteration, which nothing outside the call can observe here.
+            for leaf in torch.utils._pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    program.materialize(leaf)
+        else:
+            program.synchronize()
+        record.sync_s += time.perf_counter() - t0
+        return out
+
+    def _eager(self, flat: list[Any], reason: str) -> Any:
+        self._record.eager_calls += 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            self._record.eager_reasons.append(reason)
+            logger.info("terra backend: %s runs eagerly: %s", self._record.name, reason)
+        return self._gm(*flat)
+
+
+def _eager_reason(gm: torch.fx.GraphModule) -> str | None:
+    """Why this graph must run eagerly, or None if it can be co-executed."""
+    outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)
+    for k, node in enumerate(outputs):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        # The runtime gives a placeholder its value by copying into memory laid out as the
+        # placeholder says; a layout where several elements share one location (expand's
+        # stride 0) refuses that copy (docs/DYNAMO_BACKEND.md, "Runtime issues").
+        overlapping = any(st == 0 and sz > 1 for sz, st in zip(val.shape, val.stride()))
+        if overlapping or torch._debug_has_internal_overlap(val) == 1:
+            return (f"output {k} ({node.name}, sizes {tuple(val.shape)}, strides {tuple(val.stride())}) "
+                    f"has elements sharing memory, which a placeholder cannot be given yet")
+    return None
+
+
+def _has_side_effects(gm: torch.fx.GraphModule) -> bool:
+    """True if a call of `gm` may do more than compute its outputs: an op that mutates an
+    argument, draws random numbers, or anything that is not a plain aten op (conservatively)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return True
+        if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+            return True
+    return False
+
+
+def _graph_compiler(kind: str, dynamo_graph: int, options: TerraOptions) -> Callable[..., Any]:
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _GraphCall:
+        num_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        name = f"dynamo{dynamo_graph}.{kind}"
+        reason = _eager_reason(gm)
+        program = None if reason else runtime.Program(name, options.mode, options.optimize)
+        record = CompiledGraph(name, kind, dynamo_graph, num_ops, program, options,
+                               eager_reason=reason, full_sync=_has_side_effects(gm))
+        if reason:
+            logger.warning("terra backend: %s runs eagerly: %s", name, reason)
+        with _registry_lock:
+            _graphs.append(record)
+        logger.debug("terra backend: %s: %d ops, mode %s", name, num_ops, options.mode)
+        return _GraphCall(gm, record)
+
+    return compile_graph
+
+
+def terra_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable[..., Any]:
+    """The Dynamo backend: `torch.compile(model, backend="terra", options={"mode": "lazy"})`.
+
+    Dynamo calls it once per graph between graph breaks. AOTAutograd (no decompositions, so the
+    aten ops are eager's and the results match eager bitwise) makes the forward/backward or
+    inference graphs, and each becomes a co-executed program (see the module doc).
+    """
+    opts = parse_options(options)
+    from torch._dynamo.backends.common import aot_autograd
+
+    global _num_dynamo_graphs
+    with _registry_lock:
+        dynamo_graph = _num_dynamo_graphs
+        _num_dynamo_graphs += 1
+    torch._dynamo.utils.counters["terra"]["dynamo_graphs"] += 1
+    compiler = aot_autograd(
+        fw_compiler=_graph_compiler("forward", dynamo_graph, opts),
+        bw_compiler=_graph_compiler("backward", dynamo_graph, opts),
+        inference_compiler=_graph_compiler("inference", dynamo_graph, opts),
+    )
+    return compiler(gm, example_inputs)
+
+
+# torch._dynamo.reset() calls `reset` on every backend it has cached.
+terra_backend.reset = reset  # type: ignore[attr-defined]
