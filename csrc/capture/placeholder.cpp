@@ -110,7 +110,15 @@ void PlaceholderImpl::bind(const at::Tensor& value) {
   at::Tensor self(c10::intrusive_ptr<c10::TensorImpl>::unsafe_reclaim_from_nonowning(this));
   SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
-  self.copy_(value);
+  // Broadcast dimensions (stride 0, from expand) share memory: copy one element along them.
+  at::Tensor dst = self, src = value;
+  for (int64_t d = dst.dim() - 1; d >= 0; --d) {
+    if (dst.stride(d) == 0 && dst.size(d) > 1) {
+      dst = dst.narrow(d, 0, 1);
+      src = src.narrow(d, 0, 1);
+    }
+  }
+  dst.copy_(src);
 }
 
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value) {

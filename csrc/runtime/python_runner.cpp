@@ -62,6 +62,15 @@ void check_signals() {
 
 std::string op_name(const capture::OpRecord& rec) { return c10::toString(rec.op.operator_name()); }
 
+// A tensor whose broadcast dimensions (stride 0) are cut to one element: an expanded placeholder
+// is given its value through it, since a copy into memory that several elements share is refused.
+at::Tensor without_broadcast(const at::Tensor& t) {
+  at::Tensor out = t;
+  for (int64_t d = 0; d < out.dim(); ++d)
+    if (out.stride(d) == 0 && out.size(d) > 1) out = out.narrow(d, 0, 1);
+  return out;
+}
+
 // The tensor an input of the record refers to, from the op's arguments.
 at::Tensor argument_tensor(c10::ArrayRef<c10::IValue> args, const capture::OpInput& in) {
   if (in.argument < 0 || static_cast<size_t>(in.argument) >= args.size()) return {};
@@ -368,7 +377,7 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   ++stats_.materialized;
   auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
   if (ph != nullptr && !ph->is_bound()) {
-    ph->bind(value);
+    ph->bind(value);  // (copies through without_broadcast when the placeholder is expanded)
     return;
   }
   c10::StorageImpl* storage = holder.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
@@ -380,7 +389,7 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   }
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
-  const_cast<at::Tensor&>(holder).copy_(value);
+  without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {
