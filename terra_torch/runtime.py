@@ -123,7 +123,16 @@ class Program:
             if self.phase == "eager":
                 return
             if self.phase == "coexec":
-                self._region = self._session.open(stop_frame, True)
+                try:
+                    self._region = self._session.open(stop_frame, True)
+                except RuntimeError as e:
+                    # The graph failed in an op whose arguments only the data could refuse (an
+                    # index out of range): eager would have raised there. Raise it now and
+                    # trace the next iteration.
+                    self.fallbacks.append(Fallback(self.iteration, f"the graph failed: {e}", "<graph>"))
+                    self._move("tracing", "the graph failed")
+                    _active = None
+                    raise
             else:
                 self._region = _C.Region("record", stop_frame)
                 self._region.ignore_outermost_loops()

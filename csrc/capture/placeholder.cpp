@@ -121,6 +121,22 @@ void PlaceholderImpl::bind(const at::Tensor& value) {
   dst.copy_(src);
 }
 
+bool PlaceholderImpl::adopt() {
+  if (is_bound()) return true;
+  if (storage_.unsafeGetStorageImpl()->data() == nullptr && storage_.nbytes() > 0) return false;
+  auto device_keys = c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, device()));
+  key_set_ = key_set_.remove_backend(kTerraBackendBitForPlaceholders) |
+             (device_keys & c10::DispatchKeySet(c10::DispatchKeySet::RAW, c10::full_backend_mask));
+  storage_access_should_throw_ = false;
+  return true;
+}
+
+bool adopt_if_backed(const at::Tensor& t) {
+  if (!is_placeholder(t)) return true;
+  auto* impl = dynamic_cast<PlaceholderImpl*>(t.unsafeGetTensorImpl());
+  return impl != nullptr && impl->adopt();
+}
+
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value) {
   auto* impl = dynamic_cast<PlaceholderImpl*>(placeholder.unsafeGetTensorImpl());
   TORCH_CHECK(impl != nullptr, "terra_torch: bind_placeholder needs a placeholder tensor");

@@ -28,6 +28,9 @@ class PlaceholderImpl : public c10::TensorImpl {
   // sizes/strides say, so views of the same base see it too once they are bound. Used when the
   // runtime materializes a placeholder (a fetch, or a fall back to eager).
   void bind(const at::Tensor& value);
+  // An alias of a bound placeholder (autograd's saved copy, a shallow copy) shares its memory
+  // but still carries our key: make it an ordinary tensor too. False if the storage has no data.
+  bool adopt();
   bool is_bound() const { return !key_set_.has_backend(kTerraBackendBitForPlaceholders); }
   const char* tensorimpl_type_name() const override;
 
@@ -44,6 +47,9 @@ class PlaceholderImpl : public c10::TensorImpl {
 
 // True for a placeholder that has no value yet.
 bool is_placeholder(const at::Tensor& t);
+// A placeholder whose storage got memory through an alias becomes an ordinary tensor; true if
+// `t` is (now) an ordinary tensor.
+bool adopt_if_backed(const at::Tensor& t);
 // Binds `placeholder` (which must be a PlaceholderImpl) to `value`; see PlaceholderImpl::bind.
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value);
 at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);

@@ -86,7 +86,7 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
   lock.unlock();
   if (fed.index < 0) return std::move(fed.tensor);
   // An earlier iteration computed it, so it is in the table while the placeholder lives.
-  std::optional<at::Tensor> v = values ? values->value(fed.index) : std::nullopt;
+  std::optional<at::Tensor> v = values ? values->take(fed.index) : std::nullopt;
   if (!v || !v->defined())
     throw std::runtime_error("terra_torch internal error: feed slot " + std::to_string(slot) +
                              " needs output " + std::to_string(fed.index) +

@@ -109,10 +109,26 @@ PythonRunner::~PythonRunner() {
 void PythonRunner::begin_iteration() {
   TORCH_CHECK(!stopped_, "terra_torch: this PythonRunner was shut down");
   TORCH_CHECK(!in_iteration_, "terra_torch internal error: an iteration is already running");
-  drain_outcomes(false);  // an earlier graph iteration's error surfaces here
+  try {
+    drain_outcomes(false);  // an earlier graph iteration's error surfaces here
+  } catch (...) {
+    // The graph failed in an op Python could not check (an index out of range): what it had
+    // not computed is lost. Start clean so that the program can go on after the error.
+    channel_->cancel("an earlier graph iteration failed");
+    try {
+      drain_outcomes(true);
+    } catch (...) {
+    }
+    runner_->reset();
+    values_->clear();
+    links_.clear();
+    pending_.clear();
+    throw;
+  }
   cursor_.reset();
   record_nodes_.clear();
   latest_.clear();
+  latest_seq_.clear();
   diverged_ = false;
   reason_.clear();
   divergence_record_ = -1;
@@ -177,10 +193,13 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
           return diverge(op_name(rec) + " reads a tensor from outside the iteration where the graph reads a value it computes",
                          index);
         if (const auto linked = linked_index(t)) {
+          values_->pin(*linked);  // taken by the graph's feed (a later in-place op may retire it)
           plan_.push_back({Post::Kind::kDeferredFeed, fslot, *linked, t});
         } else {
-          TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: input ", s, " of ", op_name(rec),
-                      " is a placeholder the runtime does not know");
+          // A placeholder of another program (or an alias autograd made) that has its value
+          // becomes an ordinary tensor; one without a value is not something the graph can read.
+          if (!capture::adopt_if_backed(t))
+            return diverge(op_name(rec) + " reads a placeholder this program did not make", index);
           plan_.push_back({Post::Kind::kFeed, fslot, -1, t});
         }
         continue;
@@ -192,6 +211,8 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
+      if (gnode.inputs.at(s).size() > 1 && !latest_is(gnode.inputs.at(s), argument_tensor(args, in)))
+        return diverge(op_name(rec) + " reads another of the values the graph chooses between than the latest", index);
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
@@ -253,8 +274,8 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
       TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep a value Python reads");
       refresh(t, *v);
     } else {
-      TORCH_CHECK(!capture::is_placeholder(t), "terra_torch internal error: Python reads a placeholder the runtime "
-                  "does not know");
+      TORCH_CHECK(capture::adopt_if_backed(t), "terra_torch: Python reads a placeholder that no runtime can give a "
+                  "value (made by another program that has not computed it)");
     }
   };
   for (const c10::IValue& a : args) {
@@ -281,8 +302,10 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   for (uint32_t k = 0; k < count; ++k) {
     const at::Tensor& t = outputs[k];
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    if (t.defined() && t.has_storage())
+    if (t.defined() && t.has_storage()) {
       latest_[tag] = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
+      latest_seq_[tag] = ++sequence_;
+    }
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -345,8 +368,10 @@ void PythonRunner::wait_for_graph(int64_t count) {
   GilRelease no_gil;
   auto last_signal_check = t0;
   while (!values_->wait_published(count, std::chrono::milliseconds(2))) {
-    if (channel_->cancelled())
+    if (channel_->cancelled()) {
+      if (runner_->in_flight() == 0) drain_outcomes(false);  // a failed graph: its own error
       throw std::runtime_error("terra_torch: the graph was cancelled (" + channel_->cancel_reason() + ")");
+    }
     if (runner_->in_flight() == 0) {
       drain_outcomes(false);  // rethrows the graph's error, if it failed
       if (values_->published() >= count) return;
@@ -390,6 +415,24 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));
+}
+
+// Where the graph reads one of several producers, it reads the one that ran last (value_flow.h):
+// Python's input must be that one's latest output.
+bool PythonRunner::latest_is(const std::vector<trace::Source>& sources, const at::Tensor& t) const {
+  int64_t best_seq = -1;
+  const std::pair<const void*, int64_t>* best = nullptr;
+  for (const trace::Source& src : sources) {
+    if (src.kind != trace::Source::Kind::kNode) continue;
+    const int64_t tag = emit::EmittedGraph::publish_tag(src.id, src.output);
+    auto seq = latest_seq_.find(tag);
+    if (seq == latest_seq_.end() || seq->second <= best_seq) continue;
+    best_seq = seq->second;
+    best = &latest_.at(tag);
+  }
+  if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
+  return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+                                 t.storage_offset());
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {

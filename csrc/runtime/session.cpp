@@ -9,7 +9,14 @@
 namespace terra::runtime {
 
 Session::~Session() {
-  if (runner_) runner_->shut_down();
+  // A destructor must not throw (at interpreter exit that would terminate the process): a
+  // runner whose graph failed is simply stopped.
+  if (!runner_) return;
+  try {
+    runner_->shut_down();
+  } catch (const std::exception& e) {
+    TORCH_WARN("terra_torch: stopping a program's graph failed: ", e.what());
+  }
 }
 
 bool Session::add(const capture::Region& region) {

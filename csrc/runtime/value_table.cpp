@@ -68,11 +68,34 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   return index;
 }
 
+void ValueTable::pin(int64_t index) {
+  std::lock_guard lock(mu_);
+  ++entries_[index].pins;
+}
+
+std::optional<at::Tensor> ValueTable::take(int64_t index) {
+  at::Tensor dropped;
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(index);
+  if (it == entries_.end() || !it->second.published) return std::nullopt;
+  at::Tensor v = it->second.value;
+  if (it->second.pins > 0) --it->second.pins;
+  if (it->second.pins == 0 && it->second.retired) {
+    dropped = std::move(it->second.value);
+    entries_.erase(it);
+  }
+  return v;
+}
+
 void ValueTable::retire(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
   auto it = entries_.find(index);
   if (it == entries_.end()) return;
+  if (it->second.pins > 0) {
+    it->second.retired = true;  // the deferred feed takes it, then it goes
+    return;
+  }
   if (it->second.published) {
     dropped = std::move(it->second.value);
     entries_.erase(it);

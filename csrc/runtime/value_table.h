@@ -37,8 +37,12 @@ class ValueTable {
   // Claims the next index for a value with `tag`; `holder` (the placeholder, or undefined when
   // Python keeps nothing) decides how long the value stays. Returns the index.
   int64_t expect(int64_t tag, const at::Tensor& holder);
-  // Python is done with `index` (a placeholder that has moved on to a newer index).
+  // Python is done with `index` (a placeholder that has moved on to a newer index). A value a
+  // deferred feed still waits for stays until the graph has taken it.
   void retire(int64_t index);
+  // A deferred feed of `index` was posted: keep its value until take() (graph side).
+  void pin(int64_t index);
+  std::optional<at::Tensor> take(int64_t index);
   // The graph's value at `index`, if it has been published and kept.
   std::optional<at::Tensor> value(int64_t index) const;
   int64_t published() const;
@@ -71,6 +75,8 @@ class ValueTable {
     std::vector<int64_t> sizes, strides;
     int64_t storage_offset = 0;
     at::Tensor value;
+    int32_t pins = 0;
+    bool retired = false;
   };
   static bool dead(const Entry& e) {
     if (e.storage) return e.storage->expired();

@@ -539,3 +539,80 @@ def test_placeholder_read_from_another_thread_gets_the_value():
     terra_torch.unwrap(m)
     assert "error" not in result, result
     assert result["value"] == expected
+
+
+def test_rotating_experts_match_eager():
+    # Which expert runs at which position changes every step: the graph reads "the latest of
+    # several producers" there, so the PythonRunner checks that Python's input is that one
+    # (here it is not, and the iteration falls back instead of computing a wrong number).
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.calls = 0
+
+        def forward(self, h):
+            self.calls += 1
+            for j in range(2):
+                h = self.experts[(self.calls + j) % 3](h)
+            return h
+
+    def train(terra: bool):
+        torch.manual_seed(0)
+        net = Pair()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        if terra:
+            net = terra_torch.wrap(net)
+        losses = []
+        for _ in range(40):
+            loss = F.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(net).iterations["coexec"] > 0
+            terra_torch.unwrap(net)
+        return losses, [p.detach().clone() for p in net.parameters()]
+
+    (a, pa), (b, pb) = train(False), train(True)
+    assert a == b
+    assert all(torch.equal(u, v) for u, v in zip(pa, pb))
+
+
+def test_two_wrapped_models_taking_turns():
+    # A GAN step with both networks wrapped: values cross between the two programs.
+    def train(terra: bool):
+        torch.manual_seed(0)
+        G = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        D = nn.Linear(8, 1)
+        og = torch.optim.SGD(G.parameters(), lr=0.05)
+        od = torch.optim.SGD(D.parameters(), lr=0.05)
+        if terra:
+            G, D = terra_torch.wrap(G), terra_torch.wrap(D)
+        real = torch.randn(8, 8)
+        zs = [torch.randn(8, 4) for _ in range(5)]
+        losses = []
+        for i in range(20):
+            fake = G(zs[i % 5])
+            loss_d = F.softplus(-D(real)).mean() + F.softplus(D(fake.detach())).mean()
+            od.zero_grad()
+            loss_d.backward()
+            od.step()
+            loss_g = F.softplus(-D(fake)).mean()
+            og.zero_grad()
+            loss_g.backward()
+            og.step()
+            losses.append((loss_d.item(), loss_g.item()))
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(D).iterations["coexec"] > 0
+            terra_torch.unwrap(G)
+            terra_torch.unwrap(D)
+        return losses, [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())]
+
+    (a, pa), (b, pb) = train(False), train(True)
+    assert a == b
+    assert all(torch.equal(u, v) for u, v in zip(pa, pb))
