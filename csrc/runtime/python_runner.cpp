@@ -128,7 +128,6 @@ void PythonRunner::begin_iteration() {
   cursor_.reset();
   record_nodes_.clear();
   latest_.clear();
-  latest_seq_.clear();
   diverged_ = false;
   reason_.clear();
   divergence_record_ = -1;
@@ -211,8 +210,6 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
-      if (gnode.inputs.at(s).size() > 1 && !latest_is(gnode.inputs.at(s), argument_tensor(args, in)))
-        return diverge(op_name(rec) + " reads another of the values the graph chooses between than the latest", index);
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
@@ -302,10 +299,8 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   for (uint32_t k = 0; k < count; ++k) {
     const at::Tensor& t = outputs[k];
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    if (t.defined() && t.has_storage()) {
+    if (t.defined() && t.has_storage())
       latest_[tag] = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
-      latest_seq_[tag] = ++sequence_;
-    }
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -415,24 +410,6 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));
-}
-
-// Where the graph reads one of several producers, it reads the one that ran last (value_flow.h):
-// Python's input must be that one's latest output.
-bool PythonRunner::latest_is(const std::vector<trace::Source>& sources, const at::Tensor& t) const {
-  int64_t best_seq = -1;
-  const std::pair<const void*, int64_t>* best = nullptr;
-  for (const trace::Source& src : sources) {
-    if (src.kind != trace::Source::Kind::kNode) continue;
-    const int64_t tag = emit::EmittedGraph::publish_tag(src.id, src.output);
-    auto seq = latest_seq_.find(tag);
-    if (seq == latest_seq_.end() || seq->second <= best_seq) continue;
-    best_seq = seq->second;
-    best = &latest_.at(tag);
-  }
-  if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
-  return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
-                                 t.storage_offset());
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {
