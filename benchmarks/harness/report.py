@@ -172,6 +172,9 @@ def failure_lines(doc: dict[str, Any]) -> list[str]:
             text = _failure_text(cell)
             if text:
                 lines.append(f"- **{program} / {runner}**: {text}")
+            for warning in cell.get("warnings", []):
+                if warning.startswith("HARNESS:"):  # the worker misbehaved after its result
+                    lines.append(f"- **{program} / {runner}**: {_md(warning)[:500]}")
     return lines
 
 
@@ -360,13 +363,17 @@ def breakdown_section(doc: dict[str, Any]) -> str:
             b = per_step_ms(cell)
             if b is None:
                 continue
-            wall = f"{1e3 / cell['steps_per_s']:.3f}" if cell.get("steps_per_s") else ""
+            timed = cell["timed_counters"]
+            phases = "/".join(f"{timed.get(f'iterations_{p}', 0):.0f}"
+                              for p in ("tracing", "coexec", "eager"))
+            # Mean wall time per step (the counters are sums over every timed repetition, so a
+            # median would not add up with them).
+            mean_ms = 1e3 * sum(cell.get("rep_s", [])) / timed["steps"]
             values = " | ".join(f"{b[k]:.3f}" for k in BREAKDOWN_KEYS + ("tracing_s",))
-            other = ""
-            if cell.get("steps_per_s"):
-                accounted = b["python_exec_s"] + b["python_stall_s"] + b["tracing_s"]
-                other = f"{1e3 / cell['steps_per_s'] - accounted:.3f}"
-            rows.append(f"| {program} | {runner} | {wall} | {values} | {other} | {eager_ms} | "
+            accounted = b["python_exec_s"] + b["python_stall_s"] + b["tracing_s"]
+            other = f"{mean_ms - accounted:.3f}"
+            rows.append(f"| {program} | {runner} | {phases} | {mean_ms:.3f} | {values} | {other} | "
+                        f"{eager_ms} | "
                         f"{replay_ms} | {derived_ms if runner == 'terra' else ''} |")
     if not rows:
         return "No terra cell finished its timed repetitions: nothing to break down."
@@ -375,14 +382,16 @@ def breakdown_section(doc: dict[str, Any]) -> str:
             "(Python running the program, co-executed iterations) and stall (Python waiting for "
             "a value from the graph), GraphRunner exec (the graph computing) and stall (the graph "
             "waiting for Python's decisions and feeds), and tracing (iterations run eagerly while "
-            "recording); `other` is the wall time per step (median repetition) minus the Python "
-            "times, i.e. what no iteration accounts for (waiting in `synchronize` at the end of "
-            "each repetition, and timing noise). `graph-only replay` is the `terra-graph-only` cell's measured time per "
+            "recording); `other` is the mean wall time per step minus the Python-side times, "
+            "i.e. what no co-executed or traced iteration accounts for: iterations in phase "
+            "`eager` (terra_torch does not time them), waiting in `synchronize` at the end of "
+            "each repetition. `graph-only replay` is the `terra-graph-only` cell's measured time per "
             "replayed step; `graph exec (derived)` is GraphRunner exec per co-executed iteration "
             "of the `terra` cell: the same bound, derived from statistics, not measured.")
-    table = ["| program | runner | wall | Python exec | Python stall | graph exec | graph stall "
-             "| tracing | other | eager | graph-only replay | graph exec (derived) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
+    table = ["| program | runner | timed iterations trace/coexec/eager | wall (mean) | Python exec "
+             "| Python stall | graph exec | graph stall | tracing | other | eager "
+             "| graph-only replay | graph exec (derived) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
     return head + "\n\n" + "\n".join(table)
 
 
@@ -546,7 +555,8 @@ def _bar(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float, widt
 
 PY_PARTS = (("python_exec_s", "Python exec", "#1f77b4", None),
             ("python_stall_s", "Python stall", "#aec7e8", None),
-            ("tracing_s", "tracing (eager, recorded)", "#c7c7c7", "//"))
+            ("tracing_s", "tracing (eager, recorded)", "#c7c7c7", "//"),
+            ("other_s", "not in any timed iteration (eager phase, synchronize)", "#f2f2f2", ".."))
 GRAPH_PARTS = (("graph_exec_s", "graph exec", "#ff7f0e", None),
                ("graph_stall_s", "graph stall", "#ffbb78", None))
 
@@ -599,6 +609,12 @@ def _breakdown_bars(ax: Any, doc: dict[str, Any], program: str, runner: str, x: 
         ax.text(x, 0.05, why, ha="center", va="bottom", fontsize=7, color="firebrick", rotation=90)
         return 0.0
     eager_ms = 1e3 / eager
+    timed = cell["timed_counters"]
+    mean_ms = 1e3 * sum(cell.get("rep_s", [])) / timed["steps"]
+    b = dict(b, other_s=max(0.0, mean_ms - b["python_exec_s"] - b["python_stall_s"]
+                            - b["tracing_s"]))
+    if not timed.get("iterations_coexec") and timed.get("iterations_eager"):
+        ax.text(x, 0.05, "eager phase", ha="center", va="bottom", fontsize=7, rotation=90)
     tallest = 0.0
     for offset, parts in ((-0.18, PY_PARTS), (0.18, GRAPH_PARTS)):
         bottom = 0.0
