@@ -14,6 +14,7 @@ traced and co-executed iterations alike.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -46,6 +47,13 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    if "torch._dynamo" in sys.modules:
+        # Dynamo already ran in this process: code it generated calls Tensor.numpy, which is
+        # about to become Python; traced into, the wrapper recurses (docs/DYNAMO_BACKEND.md).
+        try:
+            sys.modules["torch._dynamo"].trace_rules.add("terra_torch")
+        except Exception:  # noqa: BLE001 - a private Dynamo API; without it only that case breaks
+            pass
     for name in _READS:
         original = getattr(torch.Tensor, name, None)
         if original is not None:
