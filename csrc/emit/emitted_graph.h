@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <map>
+#include <unordered_set>
 #include <vector>
 
 #include "trace/node.h"
@@ -63,6 +65,11 @@ struct EmittedGraph {
     double constant;
   };
   std::unordered_map<trace::NodeId, std::vector<ScalarUse>> node_scalars;
+  // Inputs (key(node, input)) that read "whichever of several producers ran last" in some copy,
+  // with those producers per copy (the trip indices of the enclosing unrolled loops; an empty
+  // list: unknown, check against all the node's producers).
+  std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>>
+      ambiguous_reads;
   size_t num_scalar_slots = 0;
 
   // -1 when (node, input) has no feed slot.

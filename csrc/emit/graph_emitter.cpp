@@ -156,6 +156,8 @@ class Emitter {
 
   Value* input(NodeId n, uint32_t slot) {
     const VarId var = flow_.read(n, slot, copy_);
+    if (coexec_ && var != kNoVar && flow_.ambiguous(var))
+      out_.ambiguous_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
     if (flow_.fed(n, slot)) {
       const bool optional = optional_feed(n, slot);
       const uint64_t key = EmittedGraph::key(n, slot);

@@ -128,6 +128,7 @@ void PythonRunner::begin_iteration() {
   cursor_.reset();
   record_nodes_.clear();
   latest_.clear();
+  latest_seq_.clear();
   diverged_ = false;
   reason_.clear();
   divergence_record_ = -1;
@@ -210,6 +211,11 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
+      if (auto amb = emitted_.ambiguous_reads.find(emit::EmittedGraph::key(node, s));
+          amb != emitted_.ambiguous_reads.end() && !latest_is(candidates(amb->second, rec, gnode.inputs.at(s)),
+                                                               argument_tensor(args, in)))
+        return diverge(op_name(rec) + " reads another of the values the graph chooses between than the one that ran last",
+                       index);
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
@@ -299,8 +305,10 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   for (uint32_t k = 0; k < count; ++k) {
     const at::Tensor& t = outputs[k];
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    if (t.defined() && t.has_storage())
+    if (t.defined() && t.has_storage()) {
       latest_[tag] = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
+      latest_seq_[tag] = ++sequence_;
+    }
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -410,6 +418,42 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));
+}
+
+// Where the graph reads one of several producers it reads the one that ran last (value_flow.h);
+// Python's input must be the latest output of the latest-run producer among the input's sources.
+// Per node, not per copy: stricter than the graph where a copy saw fewer producers than the node
+// (a fallback too many, never a wrong value there).
+bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers,
+                             const at::Tensor& t) const {
+  int64_t best_seq = -1;
+  const std::pair<const void*, int64_t>* best = nullptr;
+  for (const auto& [node, output] : producers) {
+    const int64_t tag = emit::EmittedGraph::publish_tag(node, output);
+    auto seq = latest_seq_.find(tag);
+    if (seq == latest_seq_.end() || seq->second <= best_seq) continue;
+    best_seq = seq->second;
+    best = &latest_.at(tag);
+  }
+  if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
+  return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+                                 t.storage_offset());
+}
+
+// The producers the graph chooses between for this record's copy (its loop trip indices); when
+// the copy is not known, every producer of the node's input (stricter: a fallback too many,
+// never a wrong value).
+std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
+    const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
+    const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const {
+  std::vector<uint32_t> copy;
+  for (const capture::LoopFrame& f : rec.loops) copy.push_back(f.iteration);
+  auto it = per_copy.find(copy);
+  if (it != per_copy.end() && !it->second.empty()) return it->second;
+  std::vector<std::pair<trace::NodeId, uint32_t>> all;
+  for (const trace::Source& src : sources)
+    if (src.kind == trace::Source::Kind::kNode) all.emplace_back(src.id, src.output);
+  return all;
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -110,6 +111,10 @@ class PythonRunner final : public capture::CoExecHook {
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
+  bool latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers, const at::Tensor& t) const;
+  std::vector<std::pair<trace::NodeId, uint32_t>> candidates(
+      const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
+      const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const;
   void drain_outcomes(bool block);
 
   const emit::CapturedProgram& program_;
@@ -130,6 +135,8 @@ class PythonRunner final : public capture::CoExecHook {
   // the loop check in validate(). Storage, not TensorImpl: autograd unpacks saved outputs into
   // fresh TensorImpls over the same storage.
   std::unordered_map<int64_t, std::pair<const void*, int64_t>> latest_;
+  std::unordered_map<int64_t, int64_t> latest_seq_;  // when each (node, output) last ran
+  int64_t sequence_ = 0;
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;
   bool diverged_ = false;

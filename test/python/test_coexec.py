@@ -541,12 +541,10 @@ def test_placeholder_read_from_another_thread_gets_the_value():
     assert result["value"] == expected
 
 
-@pytest.mark.xfail(strict=True, reason="known wrong values: inside the optimizer's unrolled loop over "
-                   "parameters, copy i reads whichever of several gradients ran last, and which expert "
-                   "ran where changes every step; the PythonRunner checks producers per node, not per "
-                   "copy (docs/RUNTIME.md, Limitations)")
 def test_rotating_experts_match_eager():
-    # Which expert runs at which position changes every step.
+    # Which expert runs at which position changes every step: inside the optimizer's unrolled
+    # loop, copy i of an update reads whichever of several gradients ran last, so the
+    # PythonRunner checks, per copy, that Python's input is that one (else: a fallback).
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
