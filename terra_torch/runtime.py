@@ -33,6 +33,8 @@ import torch
 
 from terra_torch import _C, _log
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
+from terra_torch.debug import Location
+from terra_torch.explanation import Fallback, explanation_from
 
 logger = logging.getLogger("terra_torch")
 
@@ -40,15 +42,6 @@ PHASES = ("tracing", "coexec", "eager")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
-
-
-@dataclass
-class Fallback:
-    """One divergence: the iteration fell back to eager here."""
-
-    iteration: int
-    reason: str
-    source_line: str
 
 
 @dataclass
@@ -137,8 +130,8 @@ class Program:
                 self._region = _C.Region("record", stop_frame)
                 self._region.ignore_outermost_loops()
                 self._region.open()
-            self._stall0 = self._runner_stat("python_stall_ns")
             raw = self._session.stats
+            self._stall0 = int(raw.get("python_stall_ns", 0))
             self._counts0 = {k: int(raw.get(k, 0)) for k in ("decisions", "feeds", "python_reads")}
 
     def end(self, partial: bool = False) -> None:
@@ -162,10 +155,11 @@ class Program:
                                     time.monotonic_ns() - self._t0)
             if phase == "coexec":
                 diverged = self._session.close(region, partial)
-                stall = (self._runner_stat("python_stall_ns") - self._stall0) / 1e9
+                raw = self._session.stats
+                stall = (int(raw.get("python_stall_ns", 0)) - self._stall0) / 1e9
                 self._stats.python_stall_s += stall
                 self._stats.python_exec_s += max(0.0, elapsed - stall)
-                self._record_iteration_events(stall)
+                self._record_iteration_events(stall, raw)
                 if diverged:
                     fallback = self._record_fallback(region)
                     self._session.add(region)
@@ -220,23 +214,19 @@ class Program:
     def graph_text(self) -> str:
         return self._session.text
 
-    def _runner_stat(self, name: str) -> int:
-        return int(self._session.stats.get(name, 0))
-
     def _move(self, phase: str, reason: str = "") -> None:
         old, self.phase = self.phase, phase
         self._stats.transitions.append((self.iteration, old, phase))
         _log.phase_transition(self.name, old, phase, self.iteration, reason)
         self._timeline.instant(f"{old} -> {phase}", "decision", PYTHON_RUNNER, args={"reason": reason})
 
-    def _record_iteration_events(self, stall_s: float) -> None:
+    def _record_iteration_events(self, stall_s: float, raw: dict[str, int]) -> None:
         # Where in the iteration Python waited is not recorded, only how long: the stall is
         # drawn at the iteration's end, and the channel traffic as counters.
         now = time.monotonic_ns()
         if stall_s > 0:
             self._timeline.complete("stalled on the graph", "stall", PYTHON_RUNNER, now - int(stall_s * 1e9),
                                     int(stall_s * 1e9), {"position": "approximate"})
-        raw = self._session.stats
         self._timeline.counter("channel", {k: int(raw.get(k, 0)) - v for k, v in self._counts0.items()}, now,
                                cat="feed")
 
@@ -249,16 +239,11 @@ class Program:
         return out
 
     def explain(self) -> Any:
-        from terra_torch.explanation import explanation_from
-
         s = self.stats()
         phases = {"iterations": dict(s.iterations), "transitions": list(s.transitions),
                   "python_exec_s": s.python_exec_s, "python_stall_s": s.python_stall_s,
                   "graph_exec_s": s.graph_exec_s, "graph_stall_s": s.graph_stall_s, "phase": self.phase}
-        from terra_torch.explanation import Fallback as ExplainedFallback
-
-        fallbacks = [ExplainedFallback(f.iteration, f.reason, f.source_line) for f in self.fallbacks]
-        return explanation_from(self._session if self._session.num_traces else None, phases, fallbacks,
+        return explanation_from(self._session if self._session.num_traces else None, phases, self.fallbacks,
                                 self._session.text or None)
 
     def _record_fallback(self, region: Any) -> Fallback:
@@ -267,21 +252,13 @@ class Program:
         if record >= 0:
             ops = region.ops()
             if record < len(ops):
-                line = _user_line(region, ops[record][5])
+                line = Location(ops[record][5], region).user_frame
         fallback = Fallback(self.iteration, reason, line)
         self.fallbacks.append(fallback)
         logger.info("%s: iteration %d fell back to eager at %s: %s", self.name, self.iteration, line, reason)
         self._timeline.instant("fallback", "fallback", PYTHON_RUNNER, args={"line": line, "reason": reason})
         self._monitor.record(self.iteration, line, reason, line)
         return fallback
-
-
-def _user_line(region: Any, location: int) -> str:
-    frames = region.describe_location(location)
-    for frame in reversed(frames):
-        if not frame.startswith(_TORCH_DIR) and not frame.startswith("backward:"):
-            return frame
-    return frames[-1] if frames else f"<location {location:#x}>"
 
 
 def active() -> Program | None:

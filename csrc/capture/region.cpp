@@ -256,7 +256,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
   // host bookkeeping: nothing of theirs can wait for a graph, so they always run.
   if (mode_ == Mode::Placeholder && !is_host_op(op, args)) {
-    run_placeholder(op, rec, index, args, stack);
+    run_placeholder(op, infer_outputs(op, args), rec, index, args, stack);
     return;
   }
   const bool report = mode_ == Mode::CoExec;
@@ -335,15 +335,14 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     mode_ = Mode::Record;
     return false;
   }
-  run_placeholder(op, rec, index, args, stack);
+  run_placeholder(op, *inferred, rec, index, args, stack);
   hook_->outputs(index, flatten());
   return true;
 }
 
-void Region::run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
-                             c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) {
+void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
+                             int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) {
   const size_t nargs = args.size();
-  const InferredOutputs& inferred = infer_outputs(op, args);
   if (inferred.needs_materialization) {
     rec.needs_materialization = true;  // kept in the trace: it is where the program needs data
     TORCH_CHECK(false, "terra_torch: cannot continue with placeholders: ", inferred.reason);

@@ -33,6 +33,7 @@ enum class Mode {
 };
 
 class CoExecHook;
+struct InferredOutputs;
 
 class Region {
  public:
@@ -65,8 +66,8 @@ class Region {
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   uint64_t locate(OpRecord& rec, torch::autograd::Node* node, bool has_python);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
-  void run_placeholder(const c10::OperatorHandle& op, OpRecord& rec, int32_t index,
-                       c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
+  void run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
+                       int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                   c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);

@@ -19,7 +19,7 @@
 #include "emit/graph_emitter.h"
 #include "emit/scripted_channel.h"
 #include "python/bindings.h"
-#include "python/source_label.h"
+#include "python/program_views.h"
 #include "runtime/executor.h"
 #include "trace/case_assignment.h"
 #include "trace/describe.h"
@@ -63,17 +63,8 @@ class PyGraph {
 
   std::string text() const { return emitted_.graph->toString(); }
 
-  py::list feeds() const {
-    py::list out;
-    for (const auto& f : emitted_.feeds) out.append(py::make_tuple(f.node, f.input, f.optional));
-    return out;
-  }
-
-  py::list fetches() const {
-    py::list out;
-    for (const auto& f : emitted_.fetches) out.append(py::make_tuple(f.node, f.input, f.tag));
-    return out;
-  }
+  py::list feeds() const { return feed_table(emitted_); }
+  py::list fetches() const { return fetch_table(emitted_); }
 
   py::dict stats() const {
     py::dict d;
@@ -120,35 +111,7 @@ class PyGraph {
 
   // What the TraceGraph and the program hold, counted once each (the emitter's stats count
   // emitted constructs, so a loop inside an unrolled loop counts once per copy there).
-  py::dict structure() const {
-    const trace::TraceGraph& g = state_->program.graph();
-    size_t ops = 0, loops = 0, branch_points = 0, merge_points = 0;
-    for (trace::NodeId n = 0; n < g.num_nodes(); ++n) {
-      const trace::Node& node = g.node(n);
-      ops += node.kind == trace::NodeKind::kOp;
-      loops += node.kind == trace::NodeKind::kLoop;
-      branch_points += node.children.size() > 1;
-      merge_points += node.parents.size() > 1;
-    }
-    size_t switches = 0, whiles = 0, unrolled = 0;
-    for (const trace::ProgNode& p : structured_.nodes) {
-      switches += p.kind == trace::ProgKind::kSwitch;
-      whiles += p.kind == trace::ProgKind::kWhile;
-      unrolled += p.kind == trace::ProgKind::kUnrolled;
-    }
-    py::dict d;
-    d["traces"] = num_traces_;
-    d["nodes"] = g.num_nodes();
-    d["ops"] = ops;
-    d["loops"] = loops;
-    d["while_loops"] = whiles;
-    d["unrolled_loops"] = unrolled;
-    d["switches"] = switches;
-    d["branch_points"] = branch_points;
-    d["merge_points"] = merge_points;
-    d["sites"] = structured_.sites.size();
-    return d;
-  }
+  py::dict structure() const { return structure_of(state_->program.graph(), structured_, num_traces_); }
 
   // The TorchScript graph itself, shared with this object (what _C.runtime.GraphRunner takes).
   const std::shared_ptr<torch::jit::Graph>& graph() const { return emitted_.graph; }

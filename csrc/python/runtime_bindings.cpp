@@ -21,6 +21,7 @@
 #include "emit/captured_program.h"
 #include "emit/graph_emitter.h"
 #include "python/bindings.h"
+#include "python/program_views.h"
 #include "runtime/channels.h"
 #include "runtime/executor.h"
 #include "runtime/graph_runner.h"
@@ -97,16 +98,8 @@ class Plan {
   std::string text() const { return emitted_.graph->toString(); }
   size_t num_traces() const { return regions_.size(); }
 
-  py::list feeds() const {
-    py::list out;
-    for (const auto& f : emitted_.feeds) out.append(py::make_tuple(f.node, f.input, f.optional));
-    return out;
-  }
-  py::list fetches() const {
-    py::list out;
-    for (const auto& f : emitted_.fetches) out.append(py::make_tuple(f.node, f.input, f.tag));
-    return out;
-  }
+  py::list feeds() const { return feed_table(emitted_); }
+  py::list fetches() const { return fetch_table(emitted_); }
   py::list sites() const {
     py::list out;
     for (const auto& s : structured_.sites) out.append(s.kind == trace::SiteKind::kCaseSelect ? "case" : "loop");

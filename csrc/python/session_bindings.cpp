@@ -10,7 +10,7 @@
 
 #include "capture/region.h"
 #include "python/bindings.h"
-#include "python/source_label.h"
+#include "python/program_views.h"
 #include "trace/case_assignment.h"
 #include "trace/dot.h"
 #include "runtime/session.h"
@@ -47,36 +47,8 @@ py::dict session_stats(Session& s) {
   return d;
 }
 
-// Counts of the TraceGraph and its structured program (what terra_torch.explain reports).
 py::dict structure(const Session& s) {
-  const trace::TraceGraph& g = s.program().graph();
-  const trace::Program structured = trace::assign_cases(g);
-  size_t ops = 0, loops = 0, branch_points = 0, merge_points = 0;
-  for (trace::NodeId n = 0; n < g.num_nodes(); ++n) {
-    const trace::Node& node = g.node(n);
-    ops += node.kind == trace::NodeKind::kOp;
-    loops += node.kind == trace::NodeKind::kLoop;
-    branch_points += node.children.size() > 1;
-    merge_points += node.parents.size() > 1;
-  }
-  size_t switches = 0, whiles = 0, unrolled = 0;
-  for (const trace::ProgNode& p : structured.nodes) {
-    switches += p.kind == trace::ProgKind::kSwitch;
-    whiles += p.kind == trace::ProgKind::kWhile;
-    unrolled += p.kind == trace::ProgKind::kUnrolled;
-  }
-  py::dict d;
-  d["traces"] = s.num_traces();
-  d["nodes"] = g.num_nodes();
-  d["ops"] = ops;
-  d["loops"] = loops;
-  d["while_loops"] = whiles;
-  d["unrolled_loops"] = unrolled;
-  d["switches"] = switches;
-  d["branch_points"] = branch_points;
-  d["merge_points"] = merge_points;
-  d["sites"] = structured.sites.size();
-  return d;
+  return structure_of(s.program().graph(), trace::assign_cases(s.program().graph()), s.num_traces());
 }
 
 std::string session_dot(const Session& s, const std::string& title) {

@@ -135,28 +135,11 @@ void ConcurrentChannel::post_batch(std::vector<Post>& posts) {
   graph_cv_.notify_all();
 }
 
-void ConcurrentChannel::post_gate(int64_t node) { post_decision(kGateKeyBase + node, 1); }
-
-void ConcurrentChannel::post_scalar(int64_t slot, double value) {
-  int64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  post_decision(kScalarKeyBase + slot, bits);
-}
-
 double ConcurrentChannel::feed_scalar(int64_t slot) {
   const int64_t bits = take_decision(kScalarKeyBase + slot);
   double value;
   std::memcpy(&value, &bits, sizeof value);
   return value;
-}
-
-void ConcurrentChannel::post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep) {
-  {
-    std::lock_guard lock(mu_);
-    if (cancelled_) throw_cancelled("Python side");
-    feeds_[slot].push_back(Fed{std::move(keep), index});
-  }
-  graph_cv_.notify_all();
 }
 
 void ConcurrentChannel::fetch(int64_t slot, const at::Tensor& value) {

@@ -74,16 +74,12 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void post_loop(int64_t site, bool again);
   // An undefined tensor means "none" (a feed_or_none slot that takes the graph's own value).
   void post_feed(int64_t slot, at::Tensor value);
-  // A feed whose tensor is the graph's own value at `index` of the value table: Python holds a
-  // placeholder of an earlier iteration whose value the graph computed (it is resolved when the
-  // graph reaches the feed; `keep` is the placeholder, held until then).
-  void post_feed_deferred(int64_t slot, int64_t index, at::Tensor keep);
-  // Python has validated the side-effecting op at `node`: the graph may run it.
-  void post_gate(int64_t node);
-  // The Python float for scalar slot `slot` (one per execution of its op).
-  void post_scalar(int64_t slot, double value);
   // Many posts under one lock and one wake-up of the graph thread (the PythonRunner batches its
   // posts: waking the graph per op costs a context switch per op).
+  // kDeferredFeed: the tensor is the graph's own value at `value` of the value table (Python
+  // holds a placeholder of an earlier iteration; `tensor` keeps it alive until the graph's feed).
+  // A gate token (Python validated a side-effecting op) is a decision at kGateKeyBase + node, a
+  // Python float one at kScalarKeyBase + slot holding its bits.
   struct Post {
     enum class Kind { kDecision, kFeed, kDeferredFeed } kind;
     int64_t key;     // site (gates and scalars: their key range), or feed slot

@@ -154,7 +154,7 @@ bool PythonRunner::end_iteration(bool partial) {
     if (!m.matched) {
       diverge("the iteration ended where the traced iterations went on", -1);
     } else {
-      for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
+      for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
       flush();
       if (drive_ == Drive::kLazy) wait_for_graph(values_->expected());
     }
@@ -194,13 +194,13 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                          index);
         if (const auto linked = linked_index(t)) {
           values_->pin(*linked);  // taken by the graph's feed (a later in-place op may retire it)
-          plan_.push_back({Post::Kind::kDeferredFeed, fslot, *linked, t});
+          plan_.push_back(deferred_feed(fslot, *linked, t));
         } else {
           // A placeholder of another program (or an alias autograd made) that has its value
           // becomes an ordinary tensor; one without a value is not something the graph can read.
           if (!capture::adopt_if_backed(t))
             return diverge(op_name(rec) + " reads a placeholder this program did not make", index);
-          plan_.push_back({Post::Kind::kFeed, fslot, -1, t});
+          plan_.push_back(feed(fslot, t));
         }
         continue;
       }
@@ -230,7 +230,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       if (fslot >= 0) {
         if (!emitted_.feeds[fslot].optional)
           return diverge(op_name(rec) + " reads a value computed in the iteration where the graph was fed one", index);
-        plan_.push_back({Post::Kind::kFeed, fslot, -1, at::Tensor()});
+        plan_.push_back(feed(fslot, at::Tensor()));
       }
     }
   }
@@ -245,7 +245,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
           return diverge(op_name(rec) + " received another kind of argument than in the traced iterations", index);
         const double v = rec.attributes[use.attribute].toDouble();
         if (use.slot >= 0) {
-          plan_.push_back({Post::Kind::kScalar, use.slot, 0, {}, v});
+          plan_.push_back(scalar(use.slot, v));
         } else if (!(v == use.constant)) {
           return diverge(op_name(rec) + " received the Python number " + std::to_string(v) + " where the traced iterations passed " +
                              std::to_string(use.constant),
@@ -255,9 +255,9 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
-  for (const trace::Decision& d : m.decisions) post({Post::Kind::kDecision, d.site, d.value, {}});
+  for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
-  if (emitted && emitted_.node_gated[node]) post({Post::Kind::kGate, static_cast<int64_t>(node), -1, {}});
+  if (emitted && emitted_.node_gated[node]) post(gate(node));
   record_nodes_[index] = node;
   if (host || needs_data) return Verdict::kRunReal;
   ++stats_.placeholders;
@@ -327,34 +327,12 @@ void PythonRunner::post(Post p) {
   if (drive_ == Drive::kCoExec && pending_.size() >= kPostBatch) flush();
 }
 
-void PythonRunner::flush() {
-  if (pending_.empty()) return;
-  batch_.clear();
-  for (Post& p : pending_) {
-    using K = ConcurrentChannel::Post::Kind;
-    switch (p.kind) {
-      case Post::Kind::kDecision:
-        batch_.push_back({K::kDecision, p.id, p.index, {}});
-        break;
-      case Post::Kind::kFeed:
-        batch_.push_back({K::kFeed, p.id, -1, std::move(p.tensor)});
-        break;
-      case Post::Kind::kDeferredFeed:
-        batch_.push_back({K::kDeferredFeed, p.id, p.index, std::move(p.tensor)});
-        break;
-      case Post::Kind::kGate:
-        batch_.push_back({K::kDecision, kGateKeyBase + p.id, 1, {}});
-        break;
-      case Post::Kind::kScalar: {
-        int64_t bits;
-        std::memcpy(&bits, &p.scalar, sizeof bits);
-        batch_.push_back({K::kDecision, kScalarKeyBase + p.id, bits, {}});
-        break;
-      }
-    }
-  }
-  pending_.clear();
-  channel_->post_batch(batch_);
+void PythonRunner::flush() { channel_->post_batch(pending_); }
+
+PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return {Post::Kind::kDecision, kScalarKeyBase + slot, bits, {}};
 }
 
 // ---- waiting and values ------------------------------------------------------------------------

@@ -93,13 +93,16 @@ class PythonRunner final : public capture::CoExecHook {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
     int64_t index;
   };
-  struct Post {  // lazy mode keeps these until Python needs data
-    enum class Kind { kDecision, kFeed, kDeferredFeed, kGate, kScalar } kind;
-    int64_t id;
-    int64_t index;
-    at::Tensor tensor;
-    double scalar = 0;
-  };
+  // What Python sends, in the channel's own form (gates and scalars are decisions in their own
+  // key ranges), so that a batch goes out as it was collected.
+  using Post = ConcurrentChannel::Post;
+  static Post decision(int64_t site, int64_t value) { return {Post::Kind::kDecision, site, value, {}}; }
+  static Post gate(int64_t node) { return {Post::Kind::kDecision, kGateKeyBase + node, 1, {}}; }
+  static Post scalar(int64_t slot, double value);
+  static Post feed(int64_t slot, at::Tensor t) { return {Post::Kind::kFeed, slot, -1, std::move(t)}; }
+  static Post deferred_feed(int64_t slot, int64_t index, at::Tensor t) {
+    return {Post::Kind::kDeferredFeed, slot, index, std::move(t)};
+  }
 
   Verdict diverge(std::string reason, int32_t record);
   void stop_and_materialize(const std::string& why);
@@ -127,7 +130,6 @@ class PythonRunner final : public capture::CoExecHook {
   trace::Cursor cursor_;
   std::vector<trace::LoopFrame> loops_;  // scratch
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
-  std::vector<ConcurrentChannel::Post> batch_;  // scratch for flush()
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
   std::unordered_map<const c10::TensorImpl*, Link> links_;

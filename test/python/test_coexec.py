@@ -77,10 +77,6 @@ def check(make, step, max_fallbacks: int, steps: int = STEPS, mode: str = "coexe
     return terra
 
 
-def terra_fallbacks(st) -> list:
-    return []
-
-
 def mlp(d_in: int = 8, hidden: int = 16, d_out: int = 1) -> nn.Module:
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
 
