@@ -418,16 +418,17 @@ bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t
                                  t.storage_offset());
 }
 
-// The producers the graph chooses between for this record's copy (its loop trip indices); when
-// the copy is not known, every producer of the node's input (stricter: a fallback too many,
-// never a wrong value).
+// The producers the graph chooses between for this record's copy (its loop trip indices): none
+// when the graph reads a single producer there (nothing to check); every producer of the node's
+// input when the copy's set holds "any copy of" a producer.
 std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
     const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
     const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const {
   std::vector<uint32_t> copy;
   for (const capture::LoopFrame& f : rec.loops) copy.push_back(f.iteration);
   auto it = per_copy.find(copy);
-  if (it != per_copy.end() && !it->second.empty()) return it->second;
+  if (it == per_copy.end()) return {};
+  if (!it->second.empty()) return it->second;
   std::vector<std::pair<trace::NodeId, uint32_t>> all;
   for (const trace::Source& src : sources)
     if (src.kind == trace::Source::Kind::kNode) all.emplace_back(src.id, src.output);
