@@ -399,9 +399,7 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
 }
 
 // Where the graph reads one of several producers it reads the one that ran last (value_flow.h);
-// Python's input must be the latest output of the latest-run producer among the input's sources.
-// Per node, not per copy: stricter than the graph where a copy saw fewer producers than the node
-// (a fallback too many, never a wrong value there).
+// Python's input must be the latest output of the latest-run one among `producers` (candidates()).
 bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers,
                              const at::Tensor& t) const {
   int64_t best_seq = -1;
