@@ -187,7 +187,7 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   rec.attributes_hash = h;
 }
 
-uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_python) {
+uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python) {
   // The Python stack gives forward ops their location and every op its loop context. Backward
   // ops on CPU run on the thread that called backward(), whose frames are still there; on an
   // engine device thread there are none, and the newest forward op's loops stand in.
@@ -203,7 +203,7 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
     // The autograd node for this op (if any) was created just before autograd redispatched to
     // us, so it holds the previous sequence number. The first op to see a number is its creator.
     uint64_t next = at::sequence_number::peek();
-    if (next > 0) node_location_.try_emplace(next - 1, site);
+    if (next > 0) node_location_.try_emplace(next - 1, Creator{site, index});
     return site;
   }
   // Backward ops: the location of the forward op that created the autograd node, plus the
@@ -221,7 +221,8 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
     base = trace::hash_combine(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
   } else {
     auto it = node_location_.find(node->sequence_nr());
-    base = it != node_location_.end() ? it->second : trace::hash_combine(0xb0, node_type);
+    base = it != node_location_.end() ? it->second.location : trace::hash_combine(0xb0, node_type);
+    if (it != node_location_.end()) rec.origin = it->second.record;
   }
   return locations_.derive(base, trace::hash_combine(node_type, site), backward_index_++,
                            [node] { return node->name(); });
@@ -248,7 +249,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
   OpRecord& rec = trace_.ops.emplace_back(OpRecord{op});
-  rec.location = locate(rec, node.get(), has_python);
+  rec.location = locate(rec, index, node.get(), has_python);
   if (has_python) PyGILState_Release(gil);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);

@@ -64,7 +64,7 @@ class Region {
 
   ValueRef reference(const at::Tensor& t);
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
-  uint64_t locate(OpRecord& rec, torch::autograd::Node* node, bool has_python);
+  uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
                        int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
@@ -99,7 +99,11 @@ class Region {
   std::unordered_map<const c10::StorageImpl*, StorageEntry> produced_storage_;
   std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
   std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
-  std::unordered_map<uint64_t, uint64_t> node_location_;  // autograd sequence_nr -> forward location
+  struct Creator {  // the forward op that created an autograd node
+    uint64_t location;
+    int32_t record;
+  };
+  std::unordered_map<uint64_t, Creator> node_location_;  // autograd sequence_nr -> its creator
   const void* last_backward_node_ = nullptr;
   uint64_t backward_index_ = 0;
   c10::SmallVector<LoopFrame, 2> last_loops_;

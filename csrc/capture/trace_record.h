@@ -59,6 +59,9 @@ struct OpRecord {
   uint64_t location = 0;
   c10::SmallVector<LoopFrame, 2> loops;
   bool backward = false;               // run by the autograd engine
+  // Backward ops: the record of the forward op whose autograd node runs them (-1: not known).
+  // Its loop frames tell which iteration of a flattened loop this backward op belongs to.
+  int32_t origin = -1;
   bool needs_materialization = false;  // data-dependent output: a placeholder cannot stand in
 };
 

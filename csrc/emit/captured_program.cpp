@@ -99,8 +99,11 @@ trace::Trace CapturedProgram::translate(const capture::Trace& in) {
     const capture::OpRecord& rec = in.ops[i];
     trace::OpRecord op;
     op.key = key_of(in, rec, rec.outputs.size());
+    op.origin = rec.origin;
+    if (rec.origin >= 0 && static_cast<size_t>(rec.origin) < i) key_backward(op.key, in.ops[rec.origin].loops);
     op.loops.reserve(rec.loops.size());
-    for (const capture::LoopFrame& f : rec.loops) op.loops.push_back({f.loop_id, f.iteration});
+    for (const capture::LoopFrame& f : rec.loops)
+      if (!is_flattened(f.loop_id)) op.loops.push_back({f.loop_id, f.iteration});
     op.inputs.reserve(rec.inputs.size());
     const bool read = is_read_op(rec.op.schema());
     for (const capture::OpInput& input : rec.inputs) {
@@ -144,6 +147,39 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
   traces_.push_back(std::move(t));
   record_nodes_.push_back(std::move(merged.record_nodes));
   return static_cast<uint32_t>(traces_.size() - 1);
+}
+
+bool CapturedProgram::flatten(std::span<const uint64_t> loop_ids) {
+  std::unordered_set<uint64_t> added;
+  for (const uint64_t id : loop_ids)
+    if (flattened_.insert(id).second) added.insert(id);
+  if (added.empty()) return false;
+  trace::TraceGraph graph;
+  std::vector<std::optional<OpInfo>> infos;
+  for (size_t t = 0; t < traces_.size(); ++t) {
+    auto& ops = traces_[t].ops;
+    // Keys first (they read the origin's frames), then the frames go.
+    for (trace::OpRecord& op : ops) {
+      if (op.origin < 0 || static_cast<size_t>(op.origin) >= ops.size()) continue;
+      for (const trace::LoopFrame& f : ops[op.origin].loops)
+        if (added.count(f.loop_id)) op.key.location ^= iteration_mark(f.loop_id, f.iteration);
+    }
+    for (trace::OpRecord& op : ops)
+      std::erase_if(op.loops, [&](const trace::LoopFrame& f) { return added.count(f.loop_id) != 0; });
+    trace::MergeResult merged = graph.merge(traces_[t]);
+    infos.resize(graph.num_nodes());
+    // A new node takes the side table of the old node of any record merged into it: records
+    // of one node agree on everything OpInfo holds, `varying` aside, which stays conservative.
+    for (size_t r = 0; r < merged.record_nodes.size(); ++r) {
+      std::optional<OpInfo>& slot = infos[merged.record_nodes[r]];
+      const std::optional<OpInfo>& old = infos_[record_nodes_[t][r]];
+      if (!slot && old) slot = old;
+    }
+    record_nodes_[t] = std::move(merged.record_nodes);
+  }
+  graph_ = std::move(graph);
+  infos_ = std::move(infos);
+  return true;
 }
 
 }  // namespace terra::emit

@@ -9,10 +9,13 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "capture/trace_record.h"
+#include "trace/hash.h"
 #include "trace/trace_graph.h"
 
 namespace terra::capture {
@@ -70,6 +73,28 @@ class CapturedProgram {
   // The TraceGraph input for a captured trace (without merging it).
   trace::Trace translate(const capture::Trace& trace);
 
+  // Treats the loops `loop_ids` as straight-line code from now on: their loop frames are dropped
+  // (here and, through is_flattened, by the runtime's cursor), so each iteration merges as its
+  // own copy of the body and a varying trip count becomes a switch after each iteration. Every
+  // trace is merged again into a new TraceGraph: node ids change. False if no id was new.
+  bool flatten(std::span<const uint64_t> loop_ids);
+  bool is_flattened(uint64_t loop_id) const { return flattened_.count(loop_id) != 0; }
+  bool any_flattened() const { return !flattened_.empty(); }
+
+  // Backward ops are located by the forward op that created their autograd node, which is one
+  // statement for every iteration of a loop. Once the loop is flattened, the backward of
+  // iteration i must not merge with the backward of iteration j (their data flow differs: each
+  // reads its own iteration's activations), so the forward op's trip through each flattened
+  // loop joins the key. XOR per loop: the same key whichever round flattened which loop.
+  template <class Frames>
+  void key_backward(trace::OpKey& key, const Frames& origin_frames) const {
+    for (const auto& f : origin_frames)
+      if (is_flattened(f.loop_id)) key.location ^= iteration_mark(f.loop_id, f.iteration);
+  }
+  static uint64_t iteration_mark(uint64_t loop_id, uint32_t iteration) {
+    return trace::mix64(trace::hash_combine(loop_id, iteration + 1));
+  }
+
  private:
   uint32_t feed_id(const capture::ExternalInput& external);
 
@@ -78,6 +103,7 @@ class CapturedProgram {
   std::vector<std::vector<trace::NodeId>> record_nodes_;
   std::vector<std::optional<OpInfo>> infos_;
   std::unordered_map<const void*, uint32_t> feed_ids_;
+  std::unordered_set<uint64_t> flattened_;
 };
 
 // The OpKey.op of an operator: a stable 64-bit hash of "ns::name.overload", equal across runs.

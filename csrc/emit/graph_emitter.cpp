@@ -21,6 +21,7 @@
 
 #include "emit/channel.h"
 #include "emit/value_flow.h"
+#include "trace/case_assignment.h"
 
 namespace terra::emit {
 
@@ -68,6 +69,8 @@ class Emitter {
     publish_ = c10::Symbol::fromQualString(kPublishOp);
     feed_scalar_ = c10::Symbol::fromQualString(kFeedScalarOp);
   }
+
+  const std::vector<uint64_t>& stale_loops() const { return flow_.stale_loops(); }
 
   void emit(ProgId p) {
     const trace::ProgNode& pn = prog_.at(p);
@@ -451,12 +454,6 @@ class Emitter {
   // which is exactly kWhile (the body runs at least once). Every variable the body assigns is
   // carried, since a later iteration or the code after the loop may read it.
   void emit_while(const trace::ProgNode& pn) {
-    // Known wrong values: co-executed programs with a loop whose trip count varies computed
-    // wrong forward values in tests (test_coexec.py::test_g_data_dependent_loop); until that
-    // is understood such programs run eagerly rather than silently wrong.
-    if (coexec_)
-      throw std::runtime_error("terra_torch: loops whose trip count varies between iterations are not co-executed yet "
-                               "(the loop runs " + std::string("a data-dependent number of times)"));
     ++out_.stats.loops;
     std::vector<VarId> carried;
     ++epoch_;
@@ -539,6 +536,27 @@ size_t count_nodes(const Block* b) {
 
 }  // namespace
 
+LoopsToFlatten::LoopsToFlatten(std::vector<uint64_t> ids)
+    : std::runtime_error("terra_torch: " + std::to_string(ids.size()) +
+                         " loop(s) must be flattened: values of earlier iterations are read after later ones ran"),
+      loop_ids(std::move(ids)) {}
+
+EmittedGraph emit_program(CapturedProgram& program, std::optional<trace::Program>& structured,
+                          const EmitOptions& options) {
+  // Each round flattens at least one loop the traces contain, so the rounds are bounded by the
+  // number of distinct loops; the bound below only guards against a loop that will not go.
+  for (int round = 0; round < 64; ++round) {
+    structured = trace::assign_cases(program.graph());
+    try {
+      return emit_graph(program, *structured, options);
+    } catch (const LoopsToFlatten& e) {
+      if (!program.flatten(e.loop_ids))
+        throw std::logic_error("terra_torch: flattening a loop left its stale reads in place");
+    }
+  }
+  throw std::logic_error("terra_torch: loops kept needing flattening");
+}
+
 void optimize_graph(std::shared_ptr<Graph>& graph) {
   torch::jit::EliminateDeadCode(graph);
   torch::jit::ConstantPropagation(graph);
@@ -555,6 +573,7 @@ EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& st
   auto t0 = Clock::now();
   {
     Emitter emitter(program, structured, out, options.coexec);
+    if (!emitter.stale_loops().empty()) throw LoopsToFlatten(emitter.stale_loops());
     emitter.emit(structured.root);
   }
   out.stats.emit_ms = ms(t0);

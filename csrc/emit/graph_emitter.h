@@ -25,7 +25,11 @@
 // generator current when the graph runs.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <stdexcept>
+#include <vector>
 
 #include "emit/captured_program.h"
 #include "emit/emitted_graph.h"
@@ -47,6 +51,19 @@ struct EmitOptions {
 // JIT resolves differently), std::logic_error on internal inconsistencies.
 EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured,
                         const EmitOptions& options = {});
+
+// emit_graph found loops whose per-iteration values are read after later iterations ran
+// (value_flow.h, stale_loops): they must be flattened before the graph can be generated.
+class LoopsToFlatten : public std::runtime_error {
+ public:
+  explicit LoopsToFlatten(std::vector<uint64_t> ids);
+  std::vector<uint64_t> loop_ids;
+};
+
+// The generation every caller wants: assign cases, emit, and where emit_graph asks for it,
+// flatten loops and start again. `structured` receives the Program the result was emitted from.
+EmittedGraph emit_program(CapturedProgram& program, std::optional<trace::Program>& structured,
+                          const EmitOptions& options = {});
 
 // The standard passes (dead-code elimination, constant propagation, common-subexpression
 // elimination) followed by lint; they respect alias analysis, so in-place ops keep their order.

@@ -116,6 +116,8 @@ void ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& pr
     for (size_t d = 0; d < loops.size(); ++d)
       if (unrolled(program, loops[d])) copies[r].push_back(trips[r][d]);
   }
+  // Latest record that wrote each producer copy, to find reads of an overwritten one.
+  std::unordered_map<Key, uint32_t, KeyHash> latest;
   for (size_t r = 0; r < trace.ops.size(); ++r) {
     const trace::NodeId n = nodes[r];
     const auto& inputs = trace.ops[r].inputs;
@@ -127,7 +129,26 @@ void ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& pr
         continue;
       }
       seen[Key{n, s, copies[r]}].push_back(Item{nodes[in.index], in.output, copies[in.index], false});
+      const auto it = latest.find(Key{nodes[in.index], in.output, copies[in.index]});
+      if (it != latest.end() && it->second != in.index) note_stale(program, trace, in.index, static_cast<uint32_t>(r), loops_of.at(nodes[in.index]));
     }
+    for (uint32_t k = 0; k < trace.ops[r].num_outputs; ++k) latest[Key{n, k, copies[r]}] = static_cast<uint32_t>(r);
+  }
+}
+
+// The loop to flatten is the outermost prim::Loop around the producer whose iteration the
+// consumer is not in any more: a later iteration of it overwrote the value. (Loops inside it
+// may need flattening too; the next round of emission finds them.)
+void ValueFlow::note_stale(const trace::Program& program, const trace::Trace& trace, uint32_t producer,
+                           uint32_t consumer, const std::vector<trace::NodeId>& loops) {
+  const auto& p = trace.ops[producer].loops;
+  const auto& c = trace.ops[consumer].loops;
+  for (size_t d = 0; d < loops.size() && d < p.size(); ++d) {
+    const bool same_iteration = d < c.size() && c[d].loop_id == p[d].loop_id && c[d].iteration == p[d].iteration;
+    if (same_iteration || unrolled(program, loops[d])) continue;
+    if (std::find(stale_loops_.begin(), stale_loops_.end(), p[d].loop_id) == stale_loops_.end())
+      stale_loops_.push_back(p[d].loop_id);
+    return;
   }
 }
 

@@ -14,6 +14,12 @@
 // which "the last zeros_like that ran" would get wrong. Inside prim::Loop (a trip count that
 // varies) iterations share one copy, so such a pairing cannot be expressed (graph_emitter.h).
 //
+// Inside prim::Loop the variable holds only the latest iteration's value. A read of an earlier
+// iteration's value after later iterations ran (backward ops reading each iteration's forward
+// activations) cannot be served that way: such reads are found here (stale_loops) and the
+// emitter's caller flattens those loops (CapturedProgram::flatten), which turns each iteration
+// into its own copy of the body, with a switch where the trip count varies.
+//
 // Copies no trace executed (the program allows paths the TraceGraph does not) fall back to the
 // node-level producer set of the TraceGraph with "any copy". Slots that saw external tensors are
 // fed from Python: always (only feeds seen) or when Python says so (feed_or_none).
@@ -54,6 +60,8 @@ class ValueFlow {
   bool ambiguous(VarId var) const { return var < ambiguous_.size() && ambiguous_[var]; }
   // The producers (node, output) that can assign `var`; empty when one of them is "any copy".
   const std::vector<std::pair<trace::NodeId, uint32_t>>& producers(VarId var) const { return producers_.at(var); }
+  // Loop ids (LoopFrame::loop_id) of prim::Loop loops some trace read a stale iteration of.
+  const std::vector<uint64_t>& stale_loops() const { return stale_loops_; }
 
  private:
   struct Key {
@@ -79,6 +87,8 @@ class ValueFlow {
   void observe(const trace::TraceGraph& graph, const trace::Program& program, const trace::Trace& trace,
                const std::vector<trace::NodeId>& nodes,
                std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
+  void note_stale(const trace::Program& program, const trace::Trace& trace, uint32_t producer, uint32_t consumer,
+                  const std::vector<trace::NodeId>& loops);
   void add_fallbacks(const trace::TraceGraph& graph, const trace::Program& program, trace::ProgId p,
                      CopyIndex& copy, std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
   VarId intern(std::vector<Item> set);
@@ -92,6 +102,7 @@ class ValueFlow {
   uint32_t num_vars_ = 0;
   std::vector<bool> ambiguous_;  // per variable
   std::vector<std::vector<std::pair<trace::NodeId, uint32_t>>> producers_;  // per variable
+  std::vector<uint64_t> stale_loops_;
 };
 
 // Trip index of each enclosing loop for every record of `trace` (the iteration count of the

@@ -90,8 +90,9 @@ class Plan {
       TORCH_CHECK(r != nullptr && !r->is_open(), "terra_torch: Plan needs closed capture regions");
       program_.add(r->trace());
     }
-    structured_ = trace::assign_cases(program_.graph());
-    emitted_ = emit::emit_graph(program_, structured_, {.optimize = optimize});
+    std::optional<trace::Program> structured;
+    emitted_ = emit::emit_program(program_, structured, {.optimize = optimize});
+    structured_ = std::move(*structured);
   }
 
   const std::shared_ptr<torch::jit::Graph>& graph() const { return emitted_.graph; }

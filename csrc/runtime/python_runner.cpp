@@ -170,9 +170,11 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                                              bool needs_data, bool host) {
   ++stats_.ops;
   if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
-  const trace::OpKey key = emit::key_of(region.trace(), rec, num_outputs);
+  trace::OpKey key = emit::key_of(region.trace(), rec, num_outputs);
+  if (rec.origin >= 0 && program_.any_flattened()) program_.key_backward(key, region.trace().ops.at(rec.origin).loops);
   loops_.clear();
-  for (const capture::LoopFrame& f : rec.loops) loops_.push_back({f.loop_id, f.iteration});
+  for (const capture::LoopFrame& f : rec.loops)
+    if (!program_.any_flattened() || !program_.is_flattened(f.loop_id)) loops_.push_back({f.loop_id, f.iteration});
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(op_name(rec) + " is not where the traced iterations had it", index);
   const trace::NodeId node = m.node;
@@ -423,7 +425,8 @@ std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
     const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
     const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const {
   std::vector<uint32_t> copy;
-  for (const capture::LoopFrame& f : rec.loops) copy.push_back(f.iteration);
+  for (const capture::LoopFrame& f : rec.loops)
+    if (!program_.is_flattened(f.loop_id)) copy.push_back(f.iteration);
   auto it = per_copy.find(copy);
   if (it == per_copy.end()) return {};
   if (!it->second.empty()) return it->second;

@@ -52,11 +52,22 @@ void Session::build() {
     runner_->shut_down();
     runner_.reset();
   }
-  structured_ = trace::assign_cases(program_.graph());
-  emitted_ = emit::emit_graph(program_, *structured_,
-                              {.optimize = options_.optimize, .lint = true, .coexec = true});
+  const std::vector<std::vector<trace::NodeId>> before = program_.all_record_nodes();
+  emitted_ = emit::emit_program(program_, structured_, {.optimize = options_.optimize, .lint = true, .coexec = true});
+  if (program_.all_record_nodes() != before) remap_node_frames(before);
   runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive);
   ++builds_;
+}
+
+// Flattening a loop merged every trace again: node ids changed, the records did not.
+void Session::remap_node_frames(const std::vector<std::vector<trace::NodeId>>& before) {
+  std::vector<std::vector<std::string>> frames(program_.graph().num_nodes());
+  for (size_t t = 0; t < before.size(); ++t) {
+    const auto& now = program_.record_nodes(static_cast<uint32_t>(t));
+    for (size_t r = 0; r < now.size() && r < before[t].size(); ++r)
+      if (frames[now[r]].empty() && before[t][r] < node_frames_.size()) frames[now[r]] = node_frames_[before[t][r]];
+  }
+  node_frames_ = std::move(frames);
 }
 
 PythonRunner& Session::runner() {

@@ -55,6 +55,8 @@ class Session {
   const std::vector<std::vector<std::string>>& node_frames() const { return node_frames_; }
 
  private:
+  void remap_node_frames(const std::vector<std::vector<trace::NodeId>>& before);
+
   SessionOptions options_;
   emit::CapturedProgram program_;
   std::optional<trace::Program> structured_;

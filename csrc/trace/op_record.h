@@ -55,6 +55,7 @@ struct OpRecord {
   std::vector<LoopFrame> loops;  // enclosing loops, outermost first
   std::vector<ValueRef> inputs;
   uint32_t num_outputs = 1;
+  int32_t origin = -1;  // backward ops: the forward record whose autograd node ran them
 };
 
 // "Python read output `output` of record `record`", while the iteration stood just after record

@@ -40,6 +40,7 @@ class Run:
     printed: str
     stats: Any = None
     stats_fallbacks: list = None  # type: ignore[assignment]
+    explanation: Any = None  # terra_torch.explain of the wrapped model
 
 
 def run(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer, dict]],
@@ -59,9 +60,10 @@ def run(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer, dict]],
         terra_torch.synchronize()
         stats = terra_torch.stats(model)
         fallbacks = list(model._terra_program.fallbacks)
+        explanation = terra_torch.explain(model)
         terra_torch.unwrap(model)
     params = [p.detach().clone() for p in model.parameters()]
-    return Run(log, params, out.getvalue(), stats, fallbacks if terra else [])
+    return Run(log, params, out.getvalue(), stats, fallbacks if terra else [], explanation if terra else None)
 
 
 def check(make, step, max_fallbacks: int, steps: int = STEPS, mode: str = "coexec") -> Run:
@@ -258,14 +260,45 @@ def test_g_data_dependent_loop():
     def step(model, opt, i, log, state):
         plain_step(model, opt, *data(i))
 
-    # Not co-executed yet: the graph of a loop with a varying trip count gave wrong values, so
-    # the program says why and runs eagerly (results still exactly eager's).
-    eager = run(make, step, terra=False)
-    terra = run(make, step, terra=True)
-    for a, b in zip(eager.params, terra.params):
-        assert torch.equal(a, b)
-    assert terra.stats.iterations["eager"] > 0
-    assert any("trip count" in f.reason for f in terra.stats_fallbacks)
+    # Backward reads every iteration's activations, so the loop is flattened (one copy of the
+    # body per iteration, a switch where the trip count varies): each new trip count falls back
+    # once and is merged; the three counts n = 1, 2, 3 then co-execute.
+    r = check(make, step, max_fallbacks=6)
+    assert r.stats.iterations["coexec"] >= STEPS // 2, r.stats
+    e = r.explanation
+    assert e.loops - e.unrolled_loops == 0 and e.switches >= 2, (e.loops, e.unrolled_loops, e.switches)
+
+
+# (g') the same loop under no_grad: only the last iteration's value leaves the loop, so the graph
+# keeps a prim::Loop driven by loop_cond
+def test_g_data_dependent_loop_without_backward_keeps_prim_loop():
+    class Refine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(8, 16, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = x
+                for _ in range(6):  # data-dependent: 2 to 4 rounds on this data
+                    h = h * 0.5 + 0.05 * torch.tanh(self.net(h))
+                    if h.abs().mean() < 0.12:
+                        break
+            return self.head(x + h)
+
+    def make():
+        m = Refine()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        log.append(plain_step(model, opt, x * (1 + i % 3), y))
+
+    r = check(make, step, max_fallbacks=6)
+    assert r.stats.iterations["coexec"] >= STEPS // 2, r.stats
+    e = r.explanation
+    assert e.loops - e.unrolled_loops == 1, (e.loops, e.unrolled_loops)  # loops counts unrolled ones too
 
 
 # (h) dropout and other RNG

@@ -151,6 +151,29 @@ def test_nested_loops_with_branch():
     assert_replays(g, recs)
 
 
+def loop_with_backward(w: torch.Tensor, x: torch.Tensor, n: int):
+    h = x
+    for _ in range(n):
+        h = torch.tanh(h * w)
+    w.grad = None
+    h.sum().backward()
+    return h.detach(), w.grad
+
+
+def test_loop_whose_iterations_backward_reads_is_flattened():
+    # Backward reads each iteration's activations after later iterations ran: a prim::Loop keeps
+    # only the latest, so the loop becomes one copy of the body per iteration with a switch
+    # where the trip count varies (and the backward of each trip count its own path).
+    w = torch.randn(3, requires_grad=True)
+    counts = (2, 3, 1, 2)
+    recs = [graph.record(loop_with_backward, w, torch.randn(3), n) for n in counts]
+    g = graph.build(recs)
+    assert count(g.text, "prim::Loop") == 0
+    assert count(g.text, "aten::tanh") == max(counts)  # one per iteration copy
+    assert count(g.text, "terra::case_select") >= 2
+    assert_replays(g, recs)
+
+
 # ---- (c) straight-line MLP forward + backward ---------------------------------------------
 
 
