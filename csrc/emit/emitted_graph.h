@@ -65,11 +65,12 @@ struct EmittedGraph {
     double constant;
   };
   std::unordered_map<trace::NodeId, std::vector<ScalarUse>> node_scalars;
-  // Inputs (key(node, input)) that read "whichever of several producers ran last" in some copy,
-  // with those producers per copy (the trip indices of the enclosing unrolled loops; an empty
-  // list: unknown, check against all the node's producers).
+  // Inputs (key(node, input)) that several producers reach in the TraceGraph, with the producers
+  // the graph reads there per copy (the trip indices of the enclosing unrolled loops): one, or
+  // several of which it reads whichever ran last; an empty list: any of the node's producers.
+  // Python's input must be the latest output of the latest-run one among them.
   std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>>
-      ambiguous_reads;
+      checked_reads;
   size_t num_scalar_slots = 0;
 
   // -1 when (node, input) has no feed slot.

@@ -157,10 +157,16 @@ class Emitter {
                        [](const trace::Source& s) { return s.kind == trace::Source::Kind::kNode; });
   }
 
+  bool several_producers(NodeId n, uint32_t slot) const {
+    const auto& sources = cp_.graph().node(n).inputs[slot];
+    return std::count_if(sources.begin(), sources.end(),
+                         [](const trace::Source& s) { return s.kind == trace::Source::Kind::kNode; }) > 1;
+  }
+
   Value* input(NodeId n, uint32_t slot) {
     const VarId var = flow_.read(n, slot, copy_);
-    if (coexec_ && var != kNoVar && flow_.ambiguous(var))
-      out_.ambiguous_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
+    if (coexec_ && var != kNoVar && several_producers(n, slot))
+      out_.checked_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
     if (flow_.fed(n, slot)) {
       const bool optional = optional_feed(n, slot);
       const uint64_t key = EmittedGraph::key(n, slot);

@@ -213,11 +213,11 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
-      if (auto amb = emitted_.ambiguous_reads.find(emit::EmittedGraph::key(node, s));
-          amb != emitted_.ambiguous_reads.end() && !latest_is(candidates(amb->second, rec, gnode.inputs.at(s)),
-                                                               argument_tensor(args, in)))
-        return diverge(op_name(rec) + " reads another of the values the graph chooses between than the one that ran last",
-                       index);
+      if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
+        const auto producers = candidates(checked->second, gnode.inputs.at(s));
+        if (producers.empty() || !latest_is(producers, argument_tensor(args, in)))
+          return diverge(op_name(rec) + " reads another value than the one the graph reads there", index);
+      }
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
@@ -418,16 +418,14 @@ bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t
                                  t.storage_offset());
 }
 
-// The producers the graph chooses between for this record's copy (its loop trip indices): none
-// when the graph reads a single producer there (nothing to check); every producer of the node's
-// input when the copy's set holds "any copy of" a producer.
+// The producers the graph reads for the copy the cursor stands in; every producer of the node's
+// input where that copy's set holds "any copy of" a producer; none (so no tensor passes) for a
+// copy the emitter never saw.
 std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
     const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
-    const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const {
-  std::vector<uint32_t> copy;
-  for (const capture::LoopFrame& f : rec.loops)
-    if (!program_.is_flattened(f.loop_id)) copy.push_back(f.iteration);
-  auto it = per_copy.find(copy);
+    const std::vector<trace::Source>& sources) {
+  cursor_.copy_index(copy_);
+  auto it = per_copy.find(copy_);
   if (it == per_copy.end()) return {};
   if (!it->second.empty()) return it->second;
   std::vector<std::pair<trace::NodeId, uint32_t>> all;

@@ -117,7 +117,7 @@ class PythonRunner final : public capture::CoExecHook {
   bool latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers, const at::Tensor& t) const;
   std::vector<std::pair<trace::NodeId, uint32_t>> candidates(
       const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
-      const capture::OpRecord& rec, const std::vector<trace::Source>& sources) const;
+      const std::vector<trace::Source>& sources);
   void drain_outcomes(bool block);
 
   const emit::CapturedProgram& program_;
@@ -129,6 +129,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::unique_ptr<GraphRunner> runner_;
   trace::Cursor cursor_;
   std::vector<trace::LoopFrame> loops_;  // scratch
+  std::vector<uint32_t> copy_;           // scratch: the cursor's copy index
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node

@@ -55,6 +55,12 @@ Match Cursor::step(const OpKey& key, std::span<const LoopFrame> loops) {
   return result(ok, walker_.at());
 }
 
+void Cursor::copy_index(std::vector<uint32_t>& out) const {
+  out.clear();
+  for (const WalkLevel& level : walker_.loop_levels())
+    if (program_.loops[level.loop_node].unrolled > 0) out.push_back(level.trips - 1);
+}
+
 Match Cursor::finish() {
   out_.clear();
   if (failed_) return result(false, kNoNode);

@@ -36,6 +36,10 @@ class Cursor {
   // Start a new iteration.
   void reset();
 
+  // Trip indices (0-based) of the open unrolled loops, outermost first: the copy of the body
+  // the last matched op belongs to, as the graph emitter numbers copies (emit/value_flow.h).
+  void copy_index(std::vector<uint32_t>& out) const;
+
   bool failed() const { return failed_; }
   size_t steps() const { return steps_; }
 

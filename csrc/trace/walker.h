@@ -73,6 +73,8 @@ class FrameWalker {
 
   NodeId at() const { return levels_.back().at; }
   size_t open_loops() const { return levels_.size() - 1; }
+  // The open loops, outermost first.
+  std::span<const WalkLevel> loop_levels() const { return {levels_.data() + 1, levels_.size() - 1}; }
 
  private:
   bool advance(const MatchKey& key) {
