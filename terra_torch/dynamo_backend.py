@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch._dynamo
 
-from terra_torch import runtime
+from terra_torch import _direct, runtime
 
 logger = logging.getLogger("terra_torch")
 
@@ -52,8 +52,8 @@ except Exception as _e:  # noqa: BLE001 - a private Dynamo API: the backend stil
 # The options `torch.compile(..., backend="terra", options={...})` accepts, with their defaults.
 # Kept explicit (not **kwargs passed through) so that a misspelt option fails at compile time
 # instead of silently doing nothing.
-OPTION_DEFAULTS: dict[str, Any] = {"mode": "coexec", "optimize": False}
-MODES = ("coexec", "lazy")
+OPTION_DEFAULTS: dict[str, Any] = {"mode": "graph", "optimize": False}
+MODES = ("graph", "coexec", "lazy")
 
 
 class TerraBackendOptionError(ValueError):
@@ -64,12 +64,13 @@ class TerraBackendOptionError(ValueError):
 class TerraOptions:
     """What the backend was asked for.
 
-    mode: "coexec" (the graph runs on terra's worker thread while Python validates the ops) or
-        "lazy" (the graph runs only when Python needs a value: serialized, for comparison).
+    mode: "graph" (each call feeds its inputs straight to the generated graph on terra's worker,
+        no per-op Python), "coexec" (the graph runs on the worker while Python validates each
+        op) or "lazy" (co-execution whose graph runs only when Python needs a value).
     optimize: run TorchScript's optimization passes on the generated graph.
     """
 
-    mode: str = "coexec"
+    mode: str = "graph"
     optimize: bool = False
 
 
@@ -120,20 +121,46 @@ class CompiledGraph:
     kind: str  # "forward" | "backward" | "inference"
     dynamo_graph: int  # which Dynamo graph (backend call) it came from
     num_ops: int  # call_function nodes in the FX graph
-    program: runtime.Program | None
+    program: runtime.Program | None  # co-execution (modes coexec and lazy, graph's fallback)
     options: TerraOptions = field(default_factory=TerraOptions)
     # Set when the graph cannot be co-executed: every call runs the graph module eagerly.
     eager_reason: str | None = None
+    # Mode "graph": one generated graph per input signature (_direct.signature), and why the
+    # graph cannot run directly if it cannot (it is then co-executed).
+    direct: dict[Any, _direct.DirectGraph] = field(default_factory=dict)
+    direct_reason: str | None = None
+    direct_offsets: bool = False  # signatures include storage offsets (the graph has as_strided)
+    direct_calls: int = 0  # calls that ran the generated graph directly
+    traced_calls: int = 0  # calls recorded to generate a graph (they ran eagerly)
+    closed: bool = False
     # Graphs with side effects Python could observe besides their outputs (in-place updates,
     # random draws) end each call with a full Program.synchronize().
     full_sync: bool = True
     calls: int = 0
-    sync_s: float = 0.0  # time Python waited at the end of calls for the graph to finish
+    sync_s: float = 0.0  # time Python waited for the graph in calls (direct: the whole run)
     eager_calls: int = 0  # calls that ran the graph module eagerly, see eager_reasons
     eager_reasons: list[str] = field(default_factory=list)
 
     def stats(self) -> runtime.Stats | None:
         return None if self.program is None else self.program.stats()
+
+    def start_coexec(self, gm: torch.fx.GraphModule) -> None:
+        """Hand the graph to co-execution from now on (mode "graph" when it cannot run directly)."""
+        self.eager_reason = _eager_reason(gm)
+        if self.eager_reason is not None:
+            logger.warning("terra backend: %s runs eagerly: %s", self.name, self.eager_reason)
+        elif self.program is None:
+            self.program = runtime.Program(self.name, "coexec", self.options.optimize)
+
+    def close(self) -> None:
+        """Stop the graph's workers: its program's and its direct graphs'."""
+        self.closed = True
+        direct, self.direct = list(self.direct.values()), {}
+        for graph in direct:
+            graph.close()
+        if self.program is not None:
+            program, self.program = self.program, None
+            program.close()
 
     @property
     def _terra_program(self) -> runtime.Program | None:  # terra_torch.stats(graph) works too
@@ -168,12 +195,10 @@ def reset() -> None:
         _graphs.clear()
         _num_dynamo_graphs = 0
     for g in old:
-        if g.program is not None:
-            program, g.program = g.program, None
-            try:
-                program.close()
-            except Exception as e:  # noqa: BLE001 - one broken program must not keep the others running
-                logger.warning("terra backend: closing %s failed: %s", g.name, e)
+        try:
+            g.close()
+        except Exception as e:  # noqa: BLE001 - one broken program must not keep the others running
+            logger.warning("terra backend: closing %s failed: %s", g.name, e)
 
 
 class _GraphCall:
@@ -197,16 +222,66 @@ class _GraphCall:
         args.clear()
         record = self._record
         record.calls += 1
-        program = record.program
         if record.eager_reason is not None:
             return self._eager(flat, record.eager_reason)
-        if program is None:
+        if record.closed:
             return self._eager(flat, "its program was closed by reset()")
         outer = runtime.active()
-        if outer is not None and outer is not program:
+        if outer is not None and outer is not record.program:
             # The user co-executes the surrounding loop with terra_torch.wrap/function: the open
             # iteration records this graph's ops as its own, which is what that program expects.
             return self._eager(flat, f"it runs inside {outer.name}'s open iteration")
+        if record.options.mode == "graph" and record.direct_reason is None:
+            return self._direct(flat)
+        return self._coexec(flat)
+
+    def _direct(self, flat: list[Any]) -> Any:
+        """Mode "graph": the generated graph runs on the worker with the call's inputs, no
+        per-op Python (terra_torch/_direct.py)."""
+        record = self._record
+        why_not = _direct_refusal(flat)
+        if why_not is not None:
+            return self._eager(flat, why_not)
+        key = _direct.signature(flat, record.direct_offsets)
+        graph = record.direct.get(key)
+        if graph is None:
+            return self._record_direct(flat, key)
+        t0 = time.perf_counter()
+        out = graph.run(flat)
+        record.sync_s += time.perf_counter() - t0
+        record.direct_calls += 1
+        return out
+
+    def _record_direct(self, flat: list[Any], key: _direct.Signature) -> Any:
+        """A new input signature: this call runs eagerly while terra records its graph."""
+        record = self._record
+        if len(record.direct) >= _direct.MAX_SIGNATURES:
+            return self._eager(flat, f"more than {_direct.MAX_SIGNATURES} input signatures "
+                                     "(sizes, strides, scalar inputs) were seen")
+        result, graph, problem = _direct.record_and_build(self._gm, flat, record.options.optimize)
+        record.traced_calls += 1
+        if graph is not None:
+            if graph.uses_offsets and not record.direct_offsets:
+                record.direct_offsets = True  # keys made so far lack offsets: start over
+                record.direct.clear()
+                key = _direct.signature(flat, True)
+            record.direct[key] = graph
+            logger.debug("terra backend: %s: graph generated for signature %d", record.name, len(record.direct))
+        else:
+            record.direct_reason = problem
+            logger.info("terra backend: %s cannot run its graph directly (%s); co-executing it instead",
+                        record.name, problem)
+            record.start_coexec(self._gm)
+        return result
+
+    def _coexec(self, flat: list[Any]) -> Any:
+        """Modes "coexec" and "lazy" (and "graph" where a graph cannot run directly): each call
+        is one co-executed iteration of the graph's runtime.Program."""
+        record = self._record
+        program = record.program
+        if record.eager_reason is not None:
+            return self._eager(flat, record.eager_reason)
+        assert program is not None
         # The stop frame is this frame, so op locations are those of the graph module's code
         # alone, whichever Dynamo/AOTAutograd wrappers called it (they differ on the first call).
         phase, fallbacks = program.phase, len(program.fallbacks)
@@ -240,6 +315,17 @@ class _GraphCall:
             self._record.eager_reasons.append(reason)
             logger.info("terra backend: %s runs eagerly: %s", self._record.name, reason)
         return self._gm(*flat)
+
+
+def _direct_refusal(flat: list[Any]) -> str | None:
+    """Why this call cannot run on the worker, or None. The worker runs with grad mode off and
+    no autocast (docs/RUNTIME.md, "Threading"); AOTAutograd calls its compiled graphs with grad
+    mode off, so these only catch graphs called some other way."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat):
+        return "it was called with grad mode on and inputs that require grad"
+    if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
+        return "it was called with autocast enabled"
+    return None
 
 
 def _eager_reason(gm: torch.fx.GraphModule) -> str | None:
@@ -277,12 +363,14 @@ def _graph_compiler(kind: str, dynamo_graph: int, options: TerraOptions) -> Call
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _GraphCall:
         num_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         name = f"dynamo{dynamo_graph}.{kind}"
-        reason = _eager_reason(gm)
-        program = None if reason else runtime.Program(name, options.mode, options.optimize)
-        record = CompiledGraph(name, kind, dynamo_graph, num_ops, program, options,
-                               eager_reason=reason, full_sync=_has_side_effects(gm))
-        if reason:
-            logger.warning("terra backend: %s runs eagerly: %s", name, reason)
+        record = CompiledGraph(name, kind, dynamo_graph, num_ops, None, options, full_sync=_has_side_effects(gm))
+        if options.mode != "graph":
+            # Direct runs have no placeholders to materialize, so _eager_reason does not apply.
+            record.eager_reason = _eager_reason(gm)
+            if record.eager_reason:
+                logger.warning("terra backend: %s runs eagerly: %s", name, record.eager_reason)
+            else:
+                record.program = runtime.Program(name, options.mode, options.optimize)
         with _registry_lock:
             _graphs.append(record)
         logger.debug("terra backend: %s: %d ops, mode %s", name, num_ops, options.mode)

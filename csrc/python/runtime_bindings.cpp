@@ -8,10 +8,12 @@
 // the GIL released; at interpreter exit an atexit hook shuts down every live runner while the
 // interpreter can still hand the GIL to the worker, and a runner destroyed later (during
 // finalization) is abandoned (worker detached) instead of joined.
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -19,6 +21,7 @@
 
 #include "capture/region.h"
 #include "emit/captured_program.h"
+#include "emit/channel.h"
 #include "emit/graph_emitter.h"
 #include "python/bindings.h"
 #include "python/program_views.h"
@@ -157,6 +160,97 @@ class Plan {
   emit::EmittedGraph emitted_;
 };
 
+// ---- DirectGraph ------------------------------------------------------------------------------
+
+// A generated graph of one straight-line trace, rewritten so that its feeds are graph inputs
+// and its fetches graph outputs, and run on the calling thread. For a static graph (what a
+// Dynamo backend gets) a channel adds nothing: every call feeds the same slots and reads the
+// same fetches. Outputs leave by reference, so views and shared memory survive, where a fetch
+// would publish a copy (docs/DYNAMO_BACKEND.md, mode "graph").
+class DirectGraph {
+ public:
+  DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, const std::string& mode) {
+    TORCH_CHECK(generated != nullptr, "terra_torch: DirectGraph needs a graph");
+    graph_ = generated->copy();
+    lift_channel_ops();
+    executor_ = std::make_unique<runtime::TorchScriptExecutor>(graph_, parse_executor_mode(mode));
+  }
+
+  const std::vector<int64_t>& feed_slots() const { return feed_slots_; }
+  const std::vector<int64_t>& fetch_slots() const { return fetch_slots_; }
+  std::string text() const { return graph_->toString(); }
+
+  // One value per feed slot (in feed_slots order; None for a feed_or_none slot that takes the
+  // graph's own none), one result per fetch slot (fetch_slots order).
+  std::vector<std::optional<at::Tensor>> run(const std::vector<std::optional<at::Tensor>>& inputs) {
+    TORCH_CHECK(inputs.size() == feed_slots_.size(), "terra_torch: DirectGraph takes ", feed_slots_.size(),
+                " inputs, got ", inputs.size());
+    std::vector<c10::IValue> stack;
+    stack.reserve(inputs.size());
+    for (const auto& t : inputs) stack.emplace_back(t ? c10::IValue(*t) : c10::IValue());
+    std::vector<c10::IValue> results;
+    {
+      // Ops may run long; a tensor dying in the graph may need the GIL to free its PyObject.
+      py::gil_scoped_release no_gil;
+      results = executor_->run(std::move(stack));
+    }
+    std::vector<std::optional<at::Tensor>> out;
+    out.reserve(results.size());
+    for (auto& v : results) out.push_back(v.isTensor() ? std::optional<at::Tensor>(std::move(v).toTensor()) : std::nullopt);
+    return out;
+  }
+
+ private:
+  static runtime::TorchScriptMode parse_executor_mode(const std::string& mode);
+
+  // Feeds and fetches inside a prim::If or prim::Loop run a data-dependent number of times:
+  // they cannot become inputs or outputs, and such a graph is not a static one.
+  static void refuse_nested(torch::jit::Block* block, bool nested) {
+    for (torch::jit::Node* n : block->nodes()) {
+      const std::string kind = n->kind().toQualString();
+      TORCH_CHECK(!nested || (kind != emit::kFeedOp && kind != emit::kFeedOrNoneOp && kind != emit::kFetchOp),
+                  "terra_torch: DirectGraph: ", kind, " inside a control-flow block");
+      for (torch::jit::Block* b : n->blocks()) refuse_nested(b, true);
+    }
+  }
+
+  static int64_t slot_of(torch::jit::Node* n) {
+    const auto slot = torch::jit::toIValue(n->input(0));
+    TORCH_CHECK(slot && slot->isInt(), "terra_torch: DirectGraph: ", n->kind().toQualString(), " without a constant slot");
+    return slot->toInt();
+  }
+
+  void lift_channel_ops() {
+    refuse_nested(graph_->block(), false);
+    std::map<int64_t, torch::jit::Node*> feeds, fetches;
+    for (torch::jit::Node* n : graph_->block()->nodes()) {
+      const std::string kind = n->kind().toQualString();
+      if (kind == emit::kFeedOp || kind == emit::kFeedOrNoneOp) {
+        TORCH_CHECK(feeds.emplace(slot_of(n), n).second, "terra_torch: DirectGraph: feed slot fed twice");
+      } else if (kind == emit::kFetchOp) {
+        TORCH_CHECK(fetches.emplace(slot_of(n), n).second, "terra_torch: DirectGraph: fetch slot read twice");
+      }
+    }
+    for (auto& [slot, n] : feeds) {
+      torch::jit::Value* input = graph_->addInput();
+      input->setType(n->output()->type());
+      n->output()->replaceAllUsesWith(input);
+      n->destroy();
+      feed_slots_.push_back(slot);
+    }
+    for (auto& [slot, n] : fetches) {
+      graph_->registerOutput(n->input(1));
+      n->destroy();
+      fetch_slots_.push_back(slot);
+    }
+  }
+
+  std::shared_ptr<torch::jit::Graph> graph_;
+  std::unique_ptr<runtime::TorchScriptExecutor> executor_;
+  std::vector<int64_t> feed_slots_;
+  std::vector<int64_t> fetch_slots_;
+};
+
 // ---- GraphRunner ------------------------------------------------------------------------------
 
 // Live runners, for the atexit hook, keyed by their Python wrapper. Weak: the hook must not keep
@@ -172,6 +266,8 @@ runtime::TorchScriptMode parse_mode(const std::string& mode) {
               "terra_torch: executor mode must be 'interpreter' or 'graph_executor', got '", mode, "'");
   return mode == "interpreter" ? runtime::TorchScriptMode::kInterpreter : runtime::TorchScriptMode::kGraphExecutor;
 }
+
+runtime::TorchScriptMode DirectGraph::parse_executor_mode(const std::string& mode) { return parse_mode(mode); }
 
 class PyGraphRunner {
  public:
@@ -301,6 +397,15 @@ void init_runtime(py::module_& m) {
       .def_property_readonly("sites", &Plan::sites, "'case' or 'loop' per decision site")
       .def("script", &Plan::script, py::arg("index"), py::arg("externals") = py::none(),
            "(decisions [(site, value)], feeds [(slot, tensor|None)], fetches [(slot, tag)]) of a recording");
+
+  py::class_<DirectGraph>(r, "DirectGraph")
+      .def(py::init([](const Plan& plan, const std::string& mode) { return std::make_unique<DirectGraph>(plan.graph(), mode); }),
+           py::arg("plan"), py::arg("mode") = "interpreter")
+      .def_property_readonly("feed_slots", &DirectGraph::feed_slots, "the feed slot of each input, in order")
+      .def_property_readonly("fetch_slots", &DirectGraph::fetch_slots, "the fetch slot of each output, in order")
+      .def_property_readonly("text", &DirectGraph::text)
+      .def("run", &DirectGraph::run, py::arg("inputs"),
+           "Run on the calling thread (GIL released): a value per feed slot in, a value per fetch slot out");
 
   py::class_<PyGraphRunner>(r, "GraphRunner")
       .def(py::init([](const Plan& plan, std::shared_ptr<ConcurrentChannel> channel, const std::string& mode) {
