@@ -9,8 +9,10 @@ MLP, data-dependent branches, `.item()`/numpy/print materialization) run under
     inductor    torch.compile(model): the default backend
     aot_eager   torch.compile(model, backend="aot_eager"): Dynamo + AOTAutograd, graphs run as
                 plain Python; the same graphs terra gets, without terra (its cost floor)
-    terra       torch.compile(model, backend="terra"): mode "graph", the generated graph run
-                directly on terra's worker (the default)
+    terra       torch.compile(model, backend="terra"): mode "graph" (the default), the generated
+                graph run directly; calls of graphs without side effects return at once and the
+                next op waits (overlap)
+    terra-sync  options={"overlap": False}: mode "graph", every call waits for its graph
     terra-coexec  options={"mode": "coexec"}: every op validated by Python (co-execution)
     terra-lazy  options={"mode": "lazy"}: co-execution whose graph runs only when Python waits
 
@@ -41,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "dynamo.json"
-BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-coexec", "terra-lazy")
+BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-sync", "terra-coexec", "terra-lazy")
 PROGRAMS = ("mlp", "branches", "materialize")
 RESULT_TAG = "DYNAMO_BENCH_RESULT "
 
@@ -60,6 +62,8 @@ def _compile_hook(backend: str) -> Any:
         return lambda model, example_inputs: torch.compile(model, backend="aot_eager")
     if backend == "terra":
         return lambda model, example_inputs: torch.compile(model, backend="terra")
+    if backend == "terra-sync":
+        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"overlap": False})
     if backend in ("terra-coexec", "terra-lazy"):
         mode = backend.split("-")[1]
         return lambda model, example_inputs: torch.compile(model, backend="terra", options={"mode": mode})
@@ -137,7 +141,7 @@ def _terra_summary() -> dict[str, Any]:
     from terra_torch import dynamo_backend
 
     graphs = dynamo_backend.graphs()
-    iterations = {"tracing": 0, "coexec": 0, "eager": 0, "direct": 0, "recorded": 0}
+    iterations = {"tracing": 0, "coexec": 0, "eager": 0, "direct": 0, "deferred": 0, "recorded": 0}
     out: dict[str, Any] = {"graphs": len(graphs), "fallbacks": 0, "sync_s": 0.0, "python_exec_s": 0.0,
                            "graph_exec_s": 0.0, "graph_stall_s": 0.0,
                            "eager_graphs": [f"{g.name}: {g.eager_reason}" for g in graphs if g.eager_reason]}
@@ -145,6 +149,7 @@ def _terra_summary() -> dict[str, Any]:
     for g in graphs:
         out["sync_s"] += g.sync_s
         iterations["direct"] += g.direct_calls
+        iterations["deferred"] += g.deferred_calls
         iterations["recorded"] += g.traced_calls
         st = g.stats()
         if st is None:

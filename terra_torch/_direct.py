@@ -110,12 +110,20 @@ class DirectGraph:
     # then a call needs no per-output Python.
     identity: bool = False
     uses_offsets: bool = False  # the graph has an as_strided: signatures must hold storage offsets
+    # Overlap (see defer_refusal): the same graph writing into output buffers, run on the
+    # deferred worker, and the recorded outputs the buffers are shaped like (fetch slot order).
+    deferred: Any = None  # _C.runtime.DirectGraph(into_buffers=True)
+    like: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._flat_tuple = self.spec.type is tuple and self.spec.num_children == self.spec.num_leaves
 
     def run(self, flat: Sequence[Any]) -> Any:
-        results = self.graph.run([flat[i] if i >= 0 else constant for i, constant in self.inputs])
+        args = [flat[i] if i >= 0 else constant for i, constant in self.inputs]
+        if self.deferred is not None:
+            results = self.deferred.launch(args, self.like)
+        else:
+            results = self.graph.run(args)
         if self.mutated:
             # The interpreter runs below ADInplaceOrView: bump what eager's in-place ops would
             # have bumped, so autograd still notices a saved tensor that was overwritten.
@@ -126,10 +134,47 @@ class DirectGraph:
         return pytree.tree_unflatten(values, self.spec)
 
     def close(self) -> None:
-        self.graph = None  # the interpreter's code and the constants go with it
+        if self.deferred is not None:
+            _C.runtime.wait_direct()  # a queued run still uses the graph's code
+        self.graph = self.deferred = None  # the interpreter's code and the constants go with it
+        self.like = []
 
 
-def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool) -> tuple[Any, DirectGraph | None, str | None]:
+def defer_refusal(leaves: Sequence[Any], flat: Sequence[Any]) -> str | None:
+    """Why this graph's calls cannot return before the graph has run, or None.
+
+    A deferred run writes its results into fresh buffers, so the outputs must be fresh memory:
+    not inputs, not views of inputs, not sharing memory with each other (eager's aliases would
+    be lost), and dense (the buffer is allocated with the output's exact layout).
+    """
+    storages = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+    for k, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.untyped_storage().nbytes() == 0:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in storages:
+            return f"output {k} shares memory with an input or another output"
+        storages.add(key)
+        if not t.is_contiguous() and not _dense(t):
+            return f"output {k} is not dense"
+    return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill exactly `numel` consecutive locations."""
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d))
+    expected = 1
+    for d in order:
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool,
+                     may_defer: bool = False) -> tuple[Any, DirectGraph | None, str | None]:
     """Run `gm` eagerly in a recording region and generate its graph.
 
     Returns the call's result (always: the call itself ran) and the DirectGraph, or None and
@@ -146,7 +191,12 @@ def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool) 
     finally:
         region.close()
     try:
-        return result, _build(gm, flat, region, leaves, spec, optimize), None
+        graph = _build(gm, flat, region, leaves, spec, optimize)
+        if may_defer and (why_not := defer_refusal(leaves, flat)) is None:
+            _make_deferred(graph, region, leaves, optimize)
+        elif may_defer:
+            logger.debug("terra backend: %s runs synchronously: %s", type(gm).__name__, why_not)
+        return result, graph, None
     except DirectUnavailable as e:
         return result, None, str(e)
     except RuntimeError as e:  # the emitter refuses the trace (an attribute it cannot express)
@@ -179,6 +229,16 @@ def _build(gm: torch.fx.GraphModule, flat: list[Any], region: Any, leaves: list[
     identity = [o.index for o in outputs] == list(range(len(outputs)))
     return DirectGraph(graph, [sources[slot] for slot in graph.feed_slots], outputs, spec, mutated_inputs(gm),
                        identity, "as_strided" in plan.text)
+
+
+def _make_deferred(graph: DirectGraph, region: Any, leaves: list[Any], optimize: bool) -> None:
+    plan = _C.runtime.Plan([region], optimize)
+    deferred = _C.runtime.DirectGraph(plan, "interpreter", True)
+    if list(deferred.feed_slots) != list(graph.graph.feed_slots):
+        raise DirectUnavailable("the deferred graph's feeds differ")  # the same plan: never expected
+    by_result = {o.index: leaves[k] for k, o in enumerate(graph.outputs) if o.index >= 0}
+    graph.like = [by_result[r] for r in range(len(by_result))]
+    graph.deferred = deferred
 
 
 def _feed_sources(gm: torch.fx.GraphModule, flat: list[Any],

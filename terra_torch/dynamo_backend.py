@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch._dynamo
 
-from terra_torch import _direct, runtime
+from terra_torch import _C, _direct, runtime
 
 logger = logging.getLogger("terra_torch")
 
@@ -52,7 +52,7 @@ except Exception as _e:  # noqa: BLE001 - a private Dynamo API: the backend stil
 # The options `torch.compile(..., backend="terra", options={...})` accepts, with their defaults.
 # Kept explicit (not **kwargs passed through) so that a misspelt option fails at compile time
 # instead of silently doing nothing.
-OPTION_DEFAULTS: dict[str, Any] = {"mode": "graph", "optimize": False}
+OPTION_DEFAULTS: dict[str, Any] = {"mode": "graph", "optimize": False, "overlap": True}
 MODES = ("graph", "coexec", "lazy")
 
 
@@ -68,10 +68,13 @@ class TerraOptions:
         no per-op Python), "coexec" (the graph runs on the worker while Python validates each
         op) or "lazy" (co-execution whose graph runs only when Python needs a value).
     optimize: run TorchScript's optimization passes on the generated graph.
+    overlap: mode "graph": a call of a graph without side effects returns before its graph has
+        run; the first op of the program that follows waits for it (docs/DYNAMO_BACKEND.md).
     """
 
     mode: str = "graph"
     optimize: bool = False
+    overlap: bool = True
 
 
 def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
@@ -101,16 +104,18 @@ def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
         raise TerraBackendOptionError(
             f"terra backend: unknown option(s) {', '.join(map(repr, unknown))}; allowed options: "
             f"mode ({' | '.join(map(repr, MODES))}, default {OPTION_DEFAULTS['mode']!r}), "
-            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r})")
+            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r}), "
+            f"overlap (bool, default {OPTION_DEFAULTS['overlap']!r})")
     mode = merged.get("mode", OPTION_DEFAULTS["mode"])
     if mode not in MODES:
         raise TerraBackendOptionError(
             f"terra backend: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r} "
             f"(torch.compile's own modes such as 'max-autotune' are Inductor's)")
-    optimize = merged.get("optimize", OPTION_DEFAULTS["optimize"])
-    if not isinstance(optimize, bool):
-        raise TerraBackendOptionError(f"terra backend: optimize must be a bool, got {optimize!r}")
-    return TerraOptions(mode=mode, optimize=optimize)
+    flags = {name: merged.get(name, OPTION_DEFAULTS[name]) for name in ("optimize", "overlap")}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TerraBackendOptionError(f"terra backend: {name} must be a bool, got {value!r}")
+    return TerraOptions(mode=mode, **flags)
 
 
 @dataclass
@@ -132,6 +137,7 @@ class CompiledGraph:
     direct_offsets: bool = False  # signatures include storage offsets (the graph has as_strided)
     direct_calls: int = 0  # calls that ran the generated graph directly
     traced_calls: int = 0  # calls recorded to generate a graph (they ran eagerly)
+    deferred_calls: int = 0  # direct calls that returned before their graph ran (overlap)
     closed: bool = False
     # Graphs with side effects Python could observe besides their outputs (in-place updates,
     # random draws) end each call with a full Program.synchronize().
@@ -242,6 +248,8 @@ class _GraphCall:
         why_not = _direct_refusal(flat)
         if why_not is not None:
             return self._eager(flat, why_not)
+        if _C.runtime.direct_failed():
+            _C.runtime.wait_direct()  # raises what a deferred graph raised
         key = _direct.signature(flat, record.direct_offsets)
         graph = record.direct.get(key)
         if graph is None:
@@ -250,6 +258,8 @@ class _GraphCall:
         out = graph.run(flat)
         record.sync_s += time.perf_counter() - t0
         record.direct_calls += 1
+        if graph.deferred is not None:
+            record.deferred_calls += 1
         return out
 
     def _record_direct(self, flat: list[Any], key: _direct.Signature) -> Any:
@@ -258,7 +268,8 @@ class _GraphCall:
         if len(record.direct) >= _direct.MAX_SIGNATURES:
             return self._eager(flat, f"more than {_direct.MAX_SIGNATURES} input signatures "
                                      "(sizes, strides, scalar inputs) were seen")
-        result, graph, problem = _direct.record_and_build(self._gm, flat, record.options.optimize)
+        may_defer = record.options.overlap and not record.full_sync
+        result, graph, problem = _direct.record_and_build(self._gm, flat, record.options.optimize, may_defer)
         record.traced_calls += 1
         if graph is not None:
             if graph.uses_offsets and not record.direct_offsets:

@@ -645,3 +645,77 @@ def test_direct_dynamic_graph_keys_on_its_int_inputs():
         assert torch.equal(compiled(x), f(x))
     (g,) = dynamo_backend.graphs()
     assert len(g.direct) == 3 and g.direct_calls == 3
+
+
+# ---- mode "graph" with overlap: calls of graphs without side effects return before their run ----
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # Long enough (tens of milliseconds) that a read that did not wait would see the buffer
+    # before the graph wrote it.
+    for _ in range(40):
+        x = torch.tanh(x @ w)
+    return x * 2
+
+
+def _deferred_calls() -> int:
+    return sum(g.deferred_calls for g in dynamo_backend.graphs())
+
+
+def test_overlap_defers_pure_graphs_and_ops_wait_for_them():
+    w = torch.randn(256, 256) / 16
+    compiled = torch.compile(_chain, backend="terra")
+    for step in range(4):
+        x = torch.randn(256, 256)
+        before = x.clone()
+        y = compiled(x, w)
+        x.add_(1)  # an in-place op on an input: it waits, so the graph read the old values
+        assert torch.equal(y, _chain(before, w)), step
+    assert _deferred_calls() == 3  # every call after the recorded one
+    assert_direct()
+
+
+@pytest.mark.parametrize("read", ["numpy", "tolist", "item"])
+def test_overlap_reads_without_ops_wait_too(read):
+    w = torch.randn(256, 256) / 16
+    compiled = torch.compile(lambda x: _chain(x, w).sum(), backend="terra")
+    for _ in range(3):
+        x = torch.randn(256, 256)
+        expected = float(_chain(x, w).sum())
+        value = getattr(compiled(x), read)()
+        assert float(value) == expected
+    assert _deferred_calls() == 2
+
+
+def test_overlap_keeps_graphs_with_side_effects_synchronous():
+    # Dropout draws from the generator and BatchNorm writes its running stats: Python between
+    # graphs may draw or read them, so those graphs finish before their call returns.
+    eager = train(Static, None)
+    terra = train(Static, "terra")
+    assert_bitwise(eager, terra)
+    forward = next(g for g in dynamo_backend.graphs() if g.kind == "forward")
+    backward = next(g for g in dynamo_backend.graphs() if g.kind == "backward")
+    assert forward.deferred_calls == 0 and backward.deferred_calls == STEPS - 1
+
+
+def test_overlap_off_runs_every_graph_synchronously():
+    eager = train(AllBreaks, None)
+    terra = train(AllBreaks, "terra", options={"overlap": False})
+    assert_bitwise(eager, terra)
+    assert_direct()
+    assert _deferred_calls() == 0
+
+
+def test_overlap_error_in_a_deferred_graph_is_raised():
+    # An index only the data can refuse: the recorded call is fine, a later one fails on the
+    # worker. It surfaces at the next compiled call or synchronize, never silently.
+    emb = nn.Embedding(10, 4)
+    compiled = torch.compile(lambda i: emb(i) * 2, backend="terra")
+    with torch.no_grad():
+        compiled(torch.tensor([1, 2]))
+        compiled(torch.tensor([3, 4]))
+        compiled(torch.tensor([3, 40]))  # out of range
+        with pytest.raises(Exception, match="index out of range|out of range|40"):
+            terra_torch.synchronize()
+            compiled(torch.tensor([1, 2]))
+        assert torch.equal(compiled(torch.tensor([5, 6])), emb(torch.tensor([5, 6])) * 2)
