@@ -10,9 +10,9 @@ MLP, data-dependent branches, `.item()`/numpy/print materialization) run under
     aot_eager   torch.compile(model, backend="aot_eager"): Dynamo + AOTAutograd, graphs run as
                 plain Python; the same graphs terra gets, without terra (its cost floor)
     terra       torch.compile(model, backend="terra"): mode "graph" (the default), the generated
-                graph run directly; calls of graphs without side effects return at once and the
-                next op waits (overlap)
-    terra-sync  options={"overlap": False}: mode "graph", every call waits for its graph
+                graph run directly, no per-op Python
+    terra-overlap  options={"overlap": True}: mode "graph" where calls of graphs without side
+                effects return at once and the next op waits for the graph
     terra-coexec  options={"mode": "coexec"}: every op validated by Python (co-execution)
     terra-lazy  options={"mode": "lazy"}: co-execution whose graph runs only when Python waits
 
@@ -43,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "dynamo.json"
-BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-sync", "terra-coexec", "terra-lazy")
+BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-overlap", "terra-coexec", "terra-lazy")
 PROGRAMS = ("mlp", "branches", "materialize")
 RESULT_TAG = "DYNAMO_BENCH_RESULT "
 
@@ -62,8 +62,8 @@ def _compile_hook(backend: str) -> Any:
         return lambda model, example_inputs: torch.compile(model, backend="aot_eager")
     if backend == "terra":
         return lambda model, example_inputs: torch.compile(model, backend="terra")
-    if backend == "terra-sync":
-        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"overlap": False})
+    if backend == "terra-overlap":
+        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"overlap": True})
     if backend in ("terra-coexec", "terra-lazy"):
         mode = backend.split("-")[1]
         return lambda model, example_inputs: torch.compile(model, backend="terra", options={"mode": mode})

@@ -8,7 +8,9 @@
 // the GIL released; at interpreter exit an atexit hook shuts down every live runner while the
 // interpreter can still hand the GIL to the worker, and a runner destroyed later (during
 // finalization) is abandoned (worker detached) instead of joined.
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/util/thread_name.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/utils/pybind.h>
@@ -294,14 +296,28 @@ class DirectWorker {
 
   bool pending() const { return pending_.load(std::memory_order_acquire) > 0; }
 
+  // Called with the GIL held. The job keeps its own references to the tensors Python passed
+  // and got back: the worker never drops the last one, because a tensor whose Python object
+  // outlived Python's references frees that object under the GIL, and the worker would then
+  // stall until the Python thread's next switch interval. Finished jobs' references are
+  // dropped here and in release_finished(), on the Python thread.
   void launch(std::shared_ptr<DirectGraph> graph, std::vector<c10::IValue> stack) {
     ensure_started();
+    std::vector<c10::IValue> keep = stack;
+    std::vector<std::vector<c10::IValue>> finished;
     {
       std::lock_guard lock(mu_);
-      queue_.push_back({std::move(graph), std::move(stack)});
+      queue_.push_back({std::move(graph), std::move(stack), std::move(keep), at::get_num_threads()});
       pending_.fetch_add(1, std::memory_order_release);
+      finished.swap(finished_);
     }
     work_cv_.notify_one();
+  }
+
+  void release_finished() {
+    std::vector<std::vector<c10::IValue>> finished;
+    std::lock_guard lock(mu_);
+    finished.swap(finished_);
   }
 
   // Waits for every launched run; rethrows the first error since the last wait (once).
@@ -327,6 +343,8 @@ class DirectWorker {
   struct Job {
     std::shared_ptr<DirectGraph> graph;
     std::vector<c10::IValue> stack;
+    std::vector<c10::IValue> keep;  // Python's tensors, released on the Python thread
+    int threads;                     // the launching thread's intra-op thread count
   };
 
   void ensure_started() {
@@ -338,6 +356,7 @@ class DirectWorker {
   }
 
   void loop() {
+    c10::setThreadName("terra_direct");
     t_no_direct_wait = true;
     while (true) {
       Job job;
@@ -348,15 +367,17 @@ class DirectWorker {
         queue_.pop_front();
       }
       std::exception_ptr error;
+      // A new thread's OpenMP team is the library default (all cores), not what the program set
+      // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
+      if (at::get_num_threads() != job.threads) at::set_num_threads(job.threads);
       try {
         job.graph->run_stack(std::move(job.stack));
       } catch (...) {
         error = std::current_exception();
       }
-      // Inputs and buffers die here, before the run counts as done: a waiter may free them next.
-      job = Job{};
       {
         std::lock_guard lock(mu_);
+        finished_.push_back(std::move(job.keep));
         if (error && !error_) error_ = error;
         pending_.fetch_sub(1, std::memory_order_release);
       }
@@ -380,6 +401,7 @@ class DirectWorker {
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<Job> queue_;
+  std::vector<std::vector<c10::IValue>> finished_;
   std::atomic<int64_t> pending_{0};
   std::exception_ptr error_;
   std::once_flag started_;
@@ -411,9 +433,11 @@ std::vector<at::Tensor> launch_direct(const std::shared_ptr<DirectGraph>& graph,
 
 void wait_direct() {
   DirectWorker& w = DirectWorker::get();
-  if (!w.pending() && !w.failed()) return;
-  py::gil_scoped_release no_gil;
-  w.wait();
+  if (w.pending() || w.failed()) {
+    py::gil_scoped_release no_gil;
+    w.wait();
+  }
+  w.release_finished();
 }
 
 // ---- GraphRunner ------------------------------------------------------------------------------

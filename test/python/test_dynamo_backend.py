@@ -199,7 +199,7 @@ def assert_bitwise(a: Run, b: Run) -> None:
 
 
 def assert_ran_in(mode: str, min_calls: int = 4) -> None:
-    if mode == "graph":
+    if mode.startswith("graph"):
         assert_direct(min_calls)
     else:
         assert_coexecuted(min_calls)
@@ -222,6 +222,14 @@ def assert_direct(min_calls: int = 4) -> None:
 
 
 MODES = ["graph", "coexec"]
+# The training comparisons also run mode "graph" with overlap: deferred graphs must change
+# neither the numbers nor what Dynamo compiles.
+TRAIN_MODES = ["graph", "graph+overlap", "coexec"]
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    name, _, extra = mode.partition("+")
+    return {"mode": name, **({"overlap": True} if extra == "overlap" else {})}
 
 
 def assert_coexecuted(min_calls: int = 4) -> None:
@@ -239,12 +247,12 @@ def assert_coexecuted(min_calls: int = 4) -> None:
 # ---- results against eager ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", TRAIN_MODES)
 @pytest.mark.parametrize("cls", [PrintBreak, ItemBreak, IfBreak, AllBreaks, DropoutBreak],
                          ids=lambda c: c.__name__)
 def test_graph_breaks_train_like_eager(cls, mode):
     eager = train(cls, None)
-    terra = train(cls, "terra", options={"mode": mode})
+    terra = train(cls, "terra", options=mode_options(mode))
     assert_bitwise(eager, terra)
     assert_ran_in(mode)
     assert dynamo_backend.num_dynamo_graphs() > 1  # the breaks really split the model
@@ -295,13 +303,13 @@ def test_static_model_is_one_graph_and_matches_eager(mode):
             assert g.stats().iterations["coexec"] >= STEPS - 3  # a few traced iterations, then graphs
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", TRAIN_MODES)
 @pytest.mark.parametrize("cls", [Static, PrintBreak, ItemBreak, IfBreak, AllBreaks, DropoutBreak],
                          ids=lambda c: c.__name__)
 def test_no_recompilations_beyond_dynamos_own(cls, mode):
     # backend="eager" runs Dynamo's graphs as they are: whatever it compiles is Dynamo's doing.
     reference = train(cls, "eager")
-    terra = train(cls, "terra", options={"mode": mode})
+    terra = train(cls, "terra", options=mode_options(mode))
     assert (terra.frames, terra.unique_graphs, terra.guard_failures) == \
         (reference.frames, reference.unique_graphs, reference.guard_failures)
 
@@ -310,7 +318,8 @@ def test_no_recompilations_beyond_dynamos_own(cls, mode):
 
 
 @pytest.mark.parametrize("options", [{"mode": "lazy"}, {"optimize": True}, {"mode": "coexec", "optimize": False},
-                                     {"mode": "graph", "optimize": True}, {"mode": "lazy", "optimize": True}])
+                                     {"mode": "graph", "optimize": True}, {"mode": "lazy", "optimize": True},
+                                     {"overlap": True}])
 def test_options_are_honoured(options):
     eager = train(AllBreaks, None)
     terra = train(AllBreaks, "terra", options=options)
@@ -324,7 +333,7 @@ def test_options_are_honoured(options):
 
 
 def test_default_mode_is_graph():
-    assert dynamo_backend.parse_options({}) == dynamo_backend.TerraOptions(mode="graph", optimize=False)
+    assert dynamo_backend.parse_options({}) == dynamo_backend.TerraOptions(mode="graph", optimize=False, overlap=False)
 
 
 def test_unknown_option_is_rejected_with_the_allowed_ones():
@@ -339,6 +348,7 @@ def test_unknown_option_is_rejected_with_the_allowed_ones():
     ({"options": {"mode": "fast"}}, "mode must be one of 'graph', 'coexec', 'lazy'"),
     ({"mode": "max-autotune"}, "mode must be one of"),  # torch.compile(mode=...) arrives as `mode`
     ({"options": {"optimize": "yes"}}, "optimize must be a bool"),
+    ({"options": {"overlap": 1}}, "overlap must be a bool"),
     ({"options": {"mode": "lazy"}, "mode": "coexec"}, "given twice"),
     ({"optimise": True}, "unknown option"),
 ])
@@ -664,7 +674,7 @@ def _deferred_calls() -> int:
 
 def test_overlap_defers_pure_graphs_and_ops_wait_for_them():
     w = torch.randn(256, 256) / 16
-    compiled = torch.compile(_chain, backend="terra")
+    compiled = torch.compile(_chain, backend="terra", options={"overlap": True})
     for step in range(4):
         x = torch.randn(256, 256)
         before = x.clone()
@@ -678,7 +688,7 @@ def test_overlap_defers_pure_graphs_and_ops_wait_for_them():
 @pytest.mark.parametrize("read", ["numpy", "tolist", "item"])
 def test_overlap_reads_without_ops_wait_too(read):
     w = torch.randn(256, 256) / 16
-    compiled = torch.compile(lambda x: _chain(x, w).sum(), backend="terra")
+    compiled = torch.compile(lambda x: _chain(x, w).sum(), backend="terra", options={"overlap": True})
     for _ in range(3):
         x = torch.randn(256, 256)
         expected = float(_chain(x, w).sum())
@@ -691,16 +701,16 @@ def test_overlap_keeps_graphs_with_side_effects_synchronous():
     # Dropout draws from the generator and BatchNorm writes its running stats: Python between
     # graphs may draw or read them, so those graphs finish before their call returns.
     eager = train(Static, None)
-    terra = train(Static, "terra")
+    terra = train(Static, "terra", options={"overlap": True})
     assert_bitwise(eager, terra)
     forward = next(g for g in dynamo_backend.graphs() if g.kind == "forward")
     backward = next(g for g in dynamo_backend.graphs() if g.kind == "backward")
     assert forward.deferred_calls == 0 and backward.deferred_calls == STEPS - 1
 
 
-def test_overlap_off_runs_every_graph_synchronously():
+def test_overlap_off_by_default_runs_every_graph_synchronously():
     eager = train(AllBreaks, None)
-    terra = train(AllBreaks, "terra", options={"overlap": False})
+    terra = train(AllBreaks, "terra")
     assert_bitwise(eager, terra)
     assert_direct()
     assert _deferred_calls() == 0
@@ -710,7 +720,7 @@ def test_overlap_error_in_a_deferred_graph_is_raised():
     # An index only the data can refuse: the recorded call is fine, a later one fails on the
     # worker. It surfaces at the next compiled call or synchronize, never silently.
     emb = nn.Embedding(10, 4)
-    compiled = torch.compile(lambda i: emb(i) * 2, backend="terra")
+    compiled = torch.compile(lambda i: emb(i) * 2, backend="terra", options={"overlap": True})
     with torch.no_grad():
         compiled(torch.tensor([1, 2]))
         compiled(torch.tensor([3, 4]))
