@@ -3,18 +3,23 @@
 Why this exists: users who already call `torch.compile` should get terra_torch by naming a
 backend, without rewriting their loop around `terra_torch.wrap`. Dynamo hands the backend one FX
 graph per region between graph breaks; AOTAutograd splits each into a forward and a backward
-graph (or one inference graph), and every one of those becomes a co-executed program of its own
-(`runtime.Program`): while Python walks the graph's ops, each op only validates itself and
-returns a placeholder, and terra_torch's worker thread runs the generated graph alongside.
+graph (or one inference graph), and each of those runs in one of three modes:
 
-The iteration boundary is one call of one graph, synchronized before the call returns, so every
-tensor Dynamo, AOTAutograd or the user's code sees between two graphs is a real tensor. Keeping
-the iteration open until the next graph call (terra_torch.function's rule) would let the Python
-between graph breaks overlap the graph too, but Dynamo evaluates the next frame's guards inside
-that open iteration, and its tensor guards compare dispatch key sets, which include the thread's
-included keys (terra's interception key while a region is open) and a placeholder's own keys
-(no CPU key until it has a value); both make every such frame recompile, and the recompile then
-fake-ifies a placeholder. docs/DYNAMO_BACKEND.md has the measurements and reproductions.
+* "graph" (default): the graph is static (Dynamo's guards promise the same FX graph on every
+  call), so its first call is recorded through terra's pipeline and later calls feed their
+  inputs straight to the generated TorchScript graph, with no per-op Python (`_direct.py`).
+  With `overlap=True`, calls of graphs without side effects return before the graph has run
+  and the first op that follows waits for it;
+* "coexec" / "lazy": every call is one co-executed iteration of a `runtime.Program`: each op
+  validates itself and returns a placeholder while terra's worker thread runs the generated
+  graph. Mode "graph" also falls back to this for a graph it cannot run directly.
+
+Every tensor Dynamo, AOTAutograd or the user's code sees between two graphs is an ordinary
+tensor. Keeping a co-executed iteration open until the next graph call (terra_torch.function's
+rule) made every frame recompile: Dynamo's tensor guards compare dispatch key sets, which
+include the thread's included keys (terra's interception key while a region is open) and a
+placeholder's own keys, and the recompile then fake-ifies a placeholder. docs/DYNAMO_BACKEND.md
+has the design, the measurements and the reproductions.
 
 Registered with Dynamo through the `torch_dynamo_backends` entry point (pyproject.toml), so
 `backend="terra"` works without importing terra_torch first.
@@ -244,8 +249,9 @@ class _GraphCall:
         return self._coexec(flat)
 
     def _direct(self, flat: list[Any]) -> Any:
-        """Mode "graph": the generated graph runs on the worker with the call's inputs, no
-        per-op Python (terra_torch/_direct.py)."""
+        """Mode "graph": the generated graph runs in the TorchScript interpreter on this thread
+        with the call's inputs, no per-op Python; with overlap, graphs without side effects are
+        queued on the deferred worker instead (terra_torch/_direct.py)."""
         record = self._record
         why_not = _direct_refusal(flat)
         if why_not is not None:
@@ -397,7 +403,7 @@ def terra_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **opt
 
     Dynamo calls it once per graph between graph breaks. AOTAutograd (no decompositions, so the
     aten ops are eager's and the results match eager bitwise) makes the forward/backward or
-    inference graphs, and each becomes a co-executed program (see the module doc).
+    inference graphs, and each runs in the selected mode (see the module doc).
     """
     opts = parse_options(options)
     from torch._dynamo.backends.common import aot_autograd

@@ -403,6 +403,26 @@ def test_graph_that_cannot_be_coexecuted_runs_eagerly_with_a_reason(caplog):
     assert any("runs eagerly" in r.getMessage() for r in caplog.records)
 
 
+def test_graph_with_an_expanded_output_runs_directly():
+    # What co-execution cannot materialize (elements sharing memory) is just a tensor here.
+    x = torch.randn(3, 5, requires_grad=True)
+    torch.manual_seed(0)
+    ref = ExpandOut()
+    torch.manual_seed(0)
+    model = ExpandOut()
+    compiled = torch.compile(model, backend="terra")
+    for _ in range(4):
+        for m in (ref, model):
+            m.zero_grad()
+        out = compiled(x)
+        out.sum().backward()
+        expected = ref(x)
+        expected.sum().backward()
+        assert torch.equal(out, expected) and out.stride() == expected.stride()
+        assert torch.equal(model.b.grad, ref.b.grad)
+    assert_direct(min_calls=3)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_inference_graph_under_no_grad(mode):
     torch.manual_seed(0)
