@@ -9,8 +9,12 @@ MLP, data-dependent branches, `.item()`/numpy/print materialization) run under
     inductor    torch.compile(model): the default backend
     aot_eager   torch.compile(model, backend="aot_eager"): Dynamo + AOTAutograd, graphs run as
                 plain Python; the same graphs terra gets, without terra (its cost floor)
-    terra       torch.compile(model, backend="terra")
-    terra-lazy  torch.compile(model, backend="terra", options={"mode": "lazy"})
+    terra       torch.compile(model, backend="terra"): mode "graph" (the default), the generated
+                graph run directly, no per-op Python
+    terra-overlap  options={"overlap": True}: mode "graph" where calls of graphs without side
+                effects return at once and the next op waits for the graph
+    terra-coexec  options={"mode": "coexec"}: every op validated by Python (co-execution)
+    terra-lazy  options={"mode": "lazy"}: co-execution whose graph runs only when Python waits
 
     python -m benchmarks.dynamo_bench [--programs mlp,branches,materialize] [--reps 5]
         [--warmup 2] [--steps N] [--backends eager,inductor,...] [--out FILE]
@@ -39,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "dynamo.json"
-BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-lazy")
+BACKENDS = ("eager", "inductor", "aot_eager", "terra", "terra-overlap", "terra-coexec", "terra-lazy")
 PROGRAMS = ("mlp", "branches", "materialize")
 RESULT_TAG = "DYNAMO_BENCH_RESULT "
 
@@ -58,8 +62,11 @@ def _compile_hook(backend: str) -> Any:
         return lambda model, example_inputs: torch.compile(model, backend="aot_eager")
     if backend == "terra":
         return lambda model, example_inputs: torch.compile(model, backend="terra")
-    if backend == "terra-lazy":
-        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"mode": "lazy"})
+    if backend == "terra-overlap":
+        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"overlap": True})
+    if backend in ("terra-coexec", "terra-lazy"):
+        mode = backend.split("-")[1]
+        return lambda model, example_inputs: torch.compile(model, backend="terra", options={"mode": mode})
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -134,12 +141,16 @@ def _terra_summary() -> dict[str, Any]:
     from terra_torch import dynamo_backend
 
     graphs = dynamo_backend.graphs()
-    iterations = {"tracing": 0, "coexec": 0, "eager": 0}
+    iterations = {"tracing": 0, "coexec": 0, "eager": 0, "direct": 0, "deferred": 0, "recorded": 0}
     out: dict[str, Any] = {"graphs": len(graphs), "fallbacks": 0, "sync_s": 0.0, "python_exec_s": 0.0,
                            "graph_exec_s": 0.0, "graph_stall_s": 0.0,
                            "eager_graphs": [f"{g.name}: {g.eager_reason}" for g in graphs if g.eager_reason]}
+    out["direct_refused"] = [f"{g.name}: {g.direct_reason}" for g in graphs if g.direct_reason]
     for g in graphs:
         out["sync_s"] += g.sync_s
+        iterations["direct"] += g.direct_calls
+        iterations["deferred"] += g.deferred_calls
+        iterations["recorded"] += g.traced_calls
         st = g.stats()
         if st is None:
             continue
@@ -241,12 +252,14 @@ def render(results: list[dict[str, Any]], programs: list[str], backends: list[st
         lines += [f"- {r['program']} / {r['backend']} ({r.get('phase')}): {r.get('reason')}" for r in failures]
     terra = [r for r in results if r.get("terra")]
     if terra:
-        lines += ["", "terra: graphs, iterations per phase, fallbacks, wait at call ends (s), graphs run eagerly", ""]
+        lines += ["", "terra: graphs, calls per phase (direct/recorded: mode graph), fallbacks, wait for the "
+              "graph (s; mode graph: whole runs), graphs run eagerly or not directly", ""]
         for r in terra:
             t = r["terra"]
             lines.append(f"- {r['program']} / {r['backend']}: {t['graphs']} graphs, {t['iterations']}, "
                          f"{t['fallbacks']} fallbacks, sync {t['sync_s']:.3f} s, "
-                         f"eager graphs: {'; '.join(t['eager_graphs']) or 'none'}")
+                         f"eager graphs: {'; '.join(t['eager_graphs']) or 'none'}, "
+                         f"not direct: {'; '.join(t.get('direct_refused', [])) or 'none'}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,10 @@ _installed = False
 def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _C.runtime.direct_pending():
+            # A deferred Dynamo-backend graph may still be writing this tensor; no op announces
+            # this read, so the op-level wait (docs/DYNAMO_BACKEND.md, "Overlap") cannot see it.
+            _C.runtime.wait_direct()
         program = runtime.active()
         if program is None or program._region_phase != "coexec":
             if _C.is_placeholder(self):  # no runtime can give it a value here

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from terra_torch import runtime
+from terra_torch import _C, runtime
 from terra_torch.runtime import Program, Stats
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -92,6 +92,7 @@ def synchronize(obj: Any = None) -> None:
     argument, every program; ends the open iteration (the next call starts a new one)."""
     if obj is None:
         runtime.synchronize_all()
+        _C.runtime.wait_direct()  # graphs of torch.compile(backend="terra") still running
     else:
         _program_of(obj).synchronize()
 

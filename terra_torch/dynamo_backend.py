@@ -3,18 +3,23 @@
 Why this exists: users who already call `torch.compile` should get terra_torch by naming a
 backend, without rewriting their loop around `terra_torch.wrap`. Dynamo hands the backend one FX
 graph per region between graph breaks; AOTAutograd splits each into a forward and a backward
-graph (or one inference graph), and every one of those becomes a co-executed program of its own
-(`runtime.Program`): while Python walks the graph's ops, each op only validates itself and
-returns a placeholder, and terra_torch's worker thread runs the generated graph alongside.
+graph (or one inference graph), and each of those runs in one of three modes:
 
-The iteration boundary is one call of one graph, synchronized before the call returns, so every
-tensor Dynamo, AOTAutograd or the user's code sees between two graphs is a real tensor. Keeping
-the iteration open until the next graph call (terra_torch.function's rule) would let the Python
-between graph breaks overlap the graph too, but Dynamo evaluates the next frame's guards inside
-that open iteration, and its tensor guards compare dispatch key sets, which include the thread's
-included keys (terra's interception key while a region is open) and a placeholder's own keys
-(no CPU key until it has a value); both make every such frame recompile, and the recompile then
-fake-ifies a placeholder. docs/DYNAMO_BACKEND.md has the measurements and reproductions.
+* "graph" (default): the graph is static (Dynamo's guards promise the same FX graph on every
+  call), so its first call is recorded through terra's pipeline and later calls feed their
+  inputs straight to the generated TorchScript graph, with no per-op Python (`_direct.py`).
+  With `overlap=True`, calls of graphs without side effects return before the graph has run
+  and the first op that follows waits for it;
+* "coexec" / "lazy": every call is one co-executed iteration of a `runtime.Program`: each op
+  validates itself and returns a placeholder while terra's worker thread runs the generated
+  graph. Mode "graph" also falls back to this for a graph it cannot run directly.
+
+Every tensor Dynamo, AOTAutograd or the user's code sees between two graphs is an ordinary
+tensor. Keeping a co-executed iteration open until the next graph call (terra_torch.function's
+rule) made every frame recompile: Dynamo's tensor guards compare dispatch key sets, which
+include the thread's included keys (terra's interception key while a region is open) and a
+placeholder's own keys, and the recompile then fake-ifies a placeholder. docs/DYNAMO_BACKEND.md
+has the design, the measurements and the reproductions.
 
 Registered with Dynamo through the `torch_dynamo_backends` entry point (pyproject.toml), so
 `backend="terra"` works without importing terra_torch first.
@@ -33,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch._dynamo
 
-from terra_torch import runtime
+from terra_torch import _C, _direct, runtime
 
 logger = logging.getLogger("terra_torch")
 
@@ -52,8 +57,8 @@ except Exception as _e:  # noqa: BLE001 - a private Dynamo API: the backend stil
 # The options `torch.compile(..., backend="terra", options={...})` accepts, with their defaults.
 # Kept explicit (not **kwargs passed through) so that a misspelt option fails at compile time
 # instead of silently doing nothing.
-OPTION_DEFAULTS: dict[str, Any] = {"mode": "coexec", "optimize": False}
-MODES = ("coexec", "lazy")
+OPTION_DEFAULTS: dict[str, Any] = {"mode": "graph", "optimize": False, "overlap": False}
+MODES = ("graph", "coexec", "lazy")
 
 
 class TerraBackendOptionError(ValueError):
@@ -64,13 +69,19 @@ class TerraBackendOptionError(ValueError):
 class TerraOptions:
     """What the backend was asked for.
 
-    mode: "coexec" (the graph runs on terra's worker thread while Python validates the ops) or
-        "lazy" (the graph runs only when Python needs a value: serialized, for comparison).
+    mode: "graph" (each call feeds its inputs straight to the generated graph on terra's worker,
+        no per-op Python), "coexec" (the graph runs on the worker while Python validates each
+        op) or "lazy" (co-execution whose graph runs only when Python needs a value).
     optimize: run TorchScript's optimization passes on the generated graph.
+    overlap: mode "graph": a call of a graph without side effects returns before its graph has
+        run; the first op of the program that follows waits for it. Off by default: in every
+        program measured the next op came too soon to hide the hand-off to the worker thread
+        (docs/DYNAMO_BACKEND.md, "Overlap").
     """
 
-    mode: str = "coexec"
+    mode: str = "graph"
     optimize: bool = False
+    overlap: bool = False
 
 
 def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
@@ -100,16 +111,18 @@ def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
         raise TerraBackendOptionError(
             f"terra backend: unknown option(s) {', '.join(map(repr, unknown))}; allowed options: "
             f"mode ({' | '.join(map(repr, MODES))}, default {OPTION_DEFAULTS['mode']!r}), "
-            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r})")
+            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r}), "
+            f"overlap (bool, default {OPTION_DEFAULTS['overlap']!r})")
     mode = merged.get("mode", OPTION_DEFAULTS["mode"])
     if mode not in MODES:
         raise TerraBackendOptionError(
             f"terra backend: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r} "
             f"(torch.compile's own modes such as 'max-autotune' are Inductor's)")
-    optimize = merged.get("optimize", OPTION_DEFAULTS["optimize"])
-    if not isinstance(optimize, bool):
-        raise TerraBackendOptionError(f"terra backend: optimize must be a bool, got {optimize!r}")
-    return TerraOptions(mode=mode, optimize=optimize)
+    flags = {name: merged.get(name, OPTION_DEFAULTS[name]) for name in ("optimize", "overlap")}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TerraBackendOptionError(f"terra backend: {name} must be a bool, got {value!r}")
+    return TerraOptions(mode=mode, **flags)
 
 
 @dataclass
@@ -120,20 +133,47 @@ class CompiledGraph:
     kind: str  # "forward" | "backward" | "inference"
     dynamo_graph: int  # which Dynamo graph (backend call) it came from
     num_ops: int  # call_function nodes in the FX graph
-    program: runtime.Program | None
+    program: runtime.Program | None  # co-execution (modes coexec and lazy, graph's fallback)
     options: TerraOptions = field(default_factory=TerraOptions)
     # Set when the graph cannot be co-executed: every call runs the graph module eagerly.
     eager_reason: str | None = None
+    # Mode "graph": one generated graph per input signature (_direct.signature), and why the
+    # graph cannot run directly if it cannot (it is then co-executed).
+    direct: dict[Any, _direct.DirectGraph] = field(default_factory=dict)
+    direct_reason: str | None = None
+    direct_offsets: bool = False  # signatures include storage offsets (the graph has as_strided)
+    direct_calls: int = 0  # calls that ran the generated graph directly
+    traced_calls: int = 0  # calls recorded to generate a graph (they ran eagerly)
+    deferred_calls: int = 0  # direct calls that returned before their graph ran (overlap)
+    closed: bool = False
     # Graphs with side effects Python could observe besides their outputs (in-place updates,
     # random draws) end each call with a full Program.synchronize().
     full_sync: bool = True
     calls: int = 0
-    sync_s: float = 0.0  # time Python waited at the end of calls for the graph to finish
+    sync_s: float = 0.0  # time Python waited for the graph in calls (direct: the whole run)
     eager_calls: int = 0  # calls that ran the graph module eagerly, see eager_reasons
     eager_reasons: list[str] = field(default_factory=list)
 
     def stats(self) -> runtime.Stats | None:
         return None if self.program is None else self.program.stats()
+
+    def start_coexec(self, gm: torch.fx.GraphModule) -> None:
+        """Hand the graph to co-execution from now on (mode "graph" when it cannot run directly)."""
+        self.eager_reason = _eager_reason(gm)
+        if self.eager_reason is not None:
+            logger.warning("terra backend: %s runs eagerly: %s", self.name, self.eager_reason)
+        elif self.program is None:
+            self.program = runtime.Program(self.name, "coexec", self.options.optimize)
+
+    def close(self) -> None:
+        """Stop the graph's workers: its program's and its direct graphs'."""
+        self.closed = True
+        direct, self.direct = list(self.direct.values()), {}
+        for graph in direct:
+            graph.close()
+        if self.program is not None:
+            program, self.program = self.program, None
+            program.close()
 
     @property
     def _terra_program(self) -> runtime.Program | None:  # terra_torch.stats(graph) works too
@@ -168,12 +208,10 @@ def reset() -> None:
         _graphs.clear()
         _num_dynamo_graphs = 0
     for g in old:
-        if g.program is not None:
-            program, g.program = g.program, None
-            try:
-                program.close()
-            except Exception as e:  # noqa: BLE001 - one broken program must not keep the others running
-                logger.warning("terra backend: closing %s failed: %s", g.name, e)
+        try:
+            g.close()
+        except Exception as e:  # noqa: BLE001 - one broken program must not keep the others running
+            logger.warning("terra backend: closing %s failed: %s", g.name, e)
 
 
 class _GraphCall:
@@ -197,16 +235,72 @@ class _GraphCall:
         args.clear()
         record = self._record
         record.calls += 1
-        program = record.program
         if record.eager_reason is not None:
             return self._eager(flat, record.eager_reason)
-        if program is None:
+        if record.closed:
             return self._eager(flat, "its program was closed by reset()")
         outer = runtime.active()
-        if outer is not None and outer is not program:
+        if outer is not None and outer is not record.program:
             # The user co-executes the surrounding loop with terra_torch.wrap/function: the open
             # iteration records this graph's ops as its own, which is what that program expects.
             return self._eager(flat, f"it runs inside {outer.name}'s open iteration")
+        if record.options.mode == "graph" and record.direct_reason is None:
+            return self._direct(flat)
+        return self._coexec(flat)
+
+    def _direct(self, flat: list[Any]) -> Any:
+        """Mode "graph": the generated graph runs in the TorchScript interpreter on this thread
+        with the call's inputs, no per-op Python; with overlap, graphs without side effects are
+        queued on the deferred worker instead (terra_torch/_direct.py)."""
+        record = self._record
+        why_not = _direct_refusal(flat)
+        if why_not is not None:
+            return self._eager(flat, why_not)
+        if _C.runtime.direct_failed():
+            _C.runtime.wait_direct()  # raises what a deferred graph raised
+        key = _direct.signature(flat, record.direct_offsets)
+        graph = record.direct.get(key)
+        if graph is None:
+            return self._record_direct(flat, key)
+        t0 = time.perf_counter()
+        out = graph.run(flat)
+        record.sync_s += time.perf_counter() - t0
+        record.direct_calls += 1
+        if graph.deferred is not None:
+            record.deferred_calls += 1
+        return out
+
+    def _record_direct(self, flat: list[Any], key: _direct.Signature) -> Any:
+        """A new input signature: this call runs eagerly while terra records its graph."""
+        record = self._record
+        if len(record.direct) >= _direct.MAX_SIGNATURES:
+            return self._eager(flat, f"more than {_direct.MAX_SIGNATURES} input signatures "
+                                     "(sizes, strides, scalar inputs) were seen")
+        may_defer = record.options.overlap and not record.full_sync
+        result, graph, problem = _direct.record_and_build(self._gm, flat, record.options.optimize, may_defer)
+        record.traced_calls += 1
+        if graph is not None:
+            if graph.uses_offsets and not record.direct_offsets:
+                record.direct_offsets = True  # keys made so far lack offsets: start over
+                record.direct.clear()
+                key = _direct.signature(flat, True)
+            record.direct[key] = graph
+            logger.debug("terra backend: %s: graph generated for signature %d", record.name, len(record.direct))
+        else:
+            record.direct_reason = problem
+            logger.info("terra backend: %s cannot run its graph directly (%s); co-executing it instead",
+                        record.name, problem)
+            record.start_coexec(self._gm)
+        return result
+
+    def _coexec(self, flat: list[Any]) -> Any:
+        """Modes "coexec" and "lazy" (and "graph" where a graph cannot run directly): each call
+        is one co-executed iteration of the graph's runtime.Program."""
+        record = self._record
+        program = record.program
+        if record.eager_reason is not None:
+            return self._eager(flat, record.eager_reason)
+        assert program is not None
         # The stop frame is this frame, so op locations are those of the graph module's code
         # alone, whichever Dynamo/AOTAutograd wrappers called it (they differ on the first call).
         phase, fallbacks = program.phase, len(program.fallbacks)
@@ -240,6 +334,17 @@ class _GraphCall:
             self._record.eager_reasons.append(reason)
             logger.info("terra backend: %s runs eagerly: %s", self._record.name, reason)
         return self._gm(*flat)
+
+
+def _direct_refusal(flat: list[Any]) -> str | None:
+    """Why this call cannot run on the worker, or None. The worker runs with grad mode off and
+    no autocast (docs/RUNTIME.md, "Threading"); AOTAutograd calls its compiled graphs with grad
+    mode off, so these only catch graphs called some other way."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat):
+        return "it was called with grad mode on and inputs that require grad"
+    if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
+        return "it was called with autocast enabled"
+    return None
 
 
 def _eager_reason(gm: torch.fx.GraphModule) -> str | None:
@@ -277,12 +382,14 @@ def _graph_compiler(kind: str, dynamo_graph: int, options: TerraOptions) -> Call
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _GraphCall:
         num_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         name = f"dynamo{dynamo_graph}.{kind}"
-        reason = _eager_reason(gm)
-        program = None if reason else runtime.Program(name, options.mode, options.optimize)
-        record = CompiledGraph(name, kind, dynamo_graph, num_ops, program, options,
-                               eager_reason=reason, full_sync=_has_side_effects(gm))
-        if reason:
-            logger.warning("terra backend: %s runs eagerly: %s", name, reason)
+        record = CompiledGraph(name, kind, dynamo_graph, num_ops, None, options, full_sync=_has_side_effects(gm))
+        if options.mode != "graph":
+            # Direct runs have no placeholders to materialize, so _eager_reason does not apply.
+            record.eager_reason = _eager_reason(gm)
+            if record.eager_reason:
+                logger.warning("terra backend: %s runs eagerly: %s", name, record.eager_reason)
+            else:
+                record.program = runtime.Program(name, options.mode, options.optimize)
         with _registry_lock:
             _graphs.append(record)
         logger.debug("terra backend: %s: %d ops, mode %s", name, num_ops, options.mode)
@@ -296,7 +403,7 @@ def terra_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **opt
 
     Dynamo calls it once per graph between graph breaks. AOTAutograd (no decompositions, so the
     aten ops are eager's and the results match eager bitwise) makes the forward/backward or
-    inference graphs, and each becomes a co-executed program (see the module doc).
+    inference graphs, and each runs in the selected mode (see the module doc).
     """
     opts = parse_options(options)
     from torch._dynamo.backends.common import aot_autograd
