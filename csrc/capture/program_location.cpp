@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "trace/hash.h"
 
@@ -117,7 +118,7 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
       uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
       active_.push_back(loop_id);
-      LoopState& state = loop_state_[loop_id];
+      LoopState& state = *loop_state_.try_emplace(loop_id).first;
       bool was_active = std::find(previous_active_.begin(), previous_active_.end(), loop_id) != previous_active_.end();
       position_in_loop(d, r, &position_);
       if (!was_active) {
@@ -131,9 +132,9 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   }
   std::swap(active_, previous_active_);
 
-  auto [it, inserted] = frames_.try_emplace(id);
+  auto [frames, inserted] = frames_.try_emplace(id);
   if (inserted) {
-    it->second = scratch_;
+    *frames = scratch_;
     for (const FrameRef& f : scratch_) loop_ranges(f.code);  // pins each code object
   }
   return id;
@@ -145,15 +146,14 @@ uint64_t LocationTracker::derived_id(uint64_t base, uint64_t tag, uint64_t index
 
 std::vector<std::string> LocationTracker::describe(uint64_t id) const {
   std::vector<std::string> out;
-  auto derived = derived_.find(id);
-  if (derived != derived_.end()) {
-    out = describe(derived->second.base);
-    out.push_back("backward: " + derived->second.label + " op " + std::to_string(derived->second.index));
+  if (const Derived* derived = derived_.find(id)) {
+    out = describe(derived->base);
+    out.push_back("backward: " + derived->label + " op " + std::to_string(derived->index));
     return out;
   }
-  auto it = frames_.find(id);
-  if (it == frames_.end()) return out;
-  for (const FrameRef& f : it->second) {
+  const std::vector<FrameRef>* frames = frames_.find(id);
+  if (frames == nullptr) return out;
+  for (const FrameRef& f : *frames) {
     PyObject* file = f.code->co_filename;
     PyObject* name = f.code->co_name;
     int line = PyCode_Addr2Line(f.code, f.lasti);

@@ -76,7 +76,10 @@ Region* active_region() { return g_active.load(std::memory_order_acquire); }
 
 Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {
   trace_.ops.reserve(1024);  // a training step is hundreds to thousands of ops
+  // Sized for a typical step up front: growing a table rehashes every entry, which cost more
+  // per op than the lookups themselves.
   produced_.reserve(1024);
+  produced_storage_.reserve(1024);
 }
 
 Region::Region(CoExecHook* hook, PyFrameObject* stop_frame) : Region(Mode::CoExec, stop_frame) { hook_ = hook; }
@@ -98,22 +101,22 @@ void Region::close() {
   intercept_.reset();
   g_active.store(nullptr, std::memory_order_release);
   open_ = false;
-  produced_.clear();
-  produced_storage_.clear();
+  // The tables only serve the open region; a closed one (kept for its trace) holds no memory.
+  produced_ = decltype(produced_)();
+  produced_storage_ = decltype(produced_storage_)();
 }
 
 ValueRef Region::reference(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto it = produced_.find(impl);
-  if (it != produced_.end()) return it->second.ref;
+  if (const Produced* p = produced_.find(impl)) return p->ref;
   if (t.has_storage()) {
-    auto entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl());
-    if (entry != produced_storage_.end()) {
+    if (const StorageEntry* entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl())) {
       // Newest first: after an in-place op the newest version is the one to read.
-      for (auto alias = entry->second.aliases.rbegin(); alias != entry->second.aliases.rend(); ++alias) {
-        if (alias->storage_offset == impl->storage_offset() && alias->dtype == impl->dtype() &&
-            c10::IntArrayRef(alias->sizes) == impl->sizes() && c10::IntArrayRef(alias->strides) == impl->strides())
-          return alias->ref;
+      for (auto alias = entry->aliases.rbegin(); alias != entry->aliases.rend(); ++alias) {
+        const TensorMeta& m = trace_.ops[alias->record].outputs[alias->output];
+        if (m.storage_offset == impl->storage_offset() && caffe2::TypeMeta::fromScalarType(m.dtype) == impl->dtype() &&
+            c10::IntArrayRef(m.sizes) == impl->sizes() && c10::IntArrayRef(m.strides) == impl->strides())
+          return *alias;
       }
     }
   }
@@ -128,34 +131,35 @@ ValueRef Region::reference(const at::Tensor& t) {
     ref.external = static_cast<int32_t>(trace_.externals.size() - 1);
     return ref;
   }
-  auto [ext, inserted] = external_index_.try_emplace(impl, static_cast<int32_t>(trace_.externals.size()));
+  auto [ext, inserted] = external_index_.try_emplace(impl);
   if (inserted) {
+    *ext = static_cast<int32_t>(trace_.externals.size());
     trace_.externals.push_back({meta_of(t), impl});
     externals_alive_.push_back(t);
   }
   ValueRef ref;
-  ref.external = ext->second;
+  ref.external = *ext;
   return ref;
 }
 
 void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
+  // Called right after trace_.ops[record].outputs[output] was set to t's metadata: the storage
+  // aliases below compare against that record.
   if (!t.defined()) return;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   ValueRef ref;
   ref.record = record;
   ref.output = output;
-  // In-place ops return their input: its newest version is this output from now on.
-  produced_.insert_or_assign(impl, Produced{c10::weak_intrusive_ptr<c10::TensorImpl>(
-                                                t.getIntrusivePtr()), ref});
+  // In-place ops return their input: its newest version is this output from now on (the pin
+  // taken when it was first seen still holds the same address).
+  auto [produced, fresh] = produced_.try_emplace(impl);
+  if (fresh) produced->impl.emplace(t.getIntrusivePtr());
+  produced->ref = ref;
   if (t.has_storage()) {
     const c10::Storage& storage = impl->unsafe_storage();
-    auto entry = produced_storage_.find(storage.unsafeGetStorageImpl());
-    if (entry == produced_storage_.end())
-      entry = produced_storage_.emplace(storage.unsafeGetStorageImpl(), StorageEntry(storage.getWeakStorageImpl())).first;
-    entry->second.aliases.push_back({impl->storage_offset(),
-                                     c10::SmallVector<int64_t, 6>(impl->sizes().begin(), impl->sizes().end()),
-                                     c10::SmallVector<int64_t, 6>(impl->strides().begin(), impl->strides().end()),
-                                     impl->dtype(), ref});
+    auto [entry, first] = produced_storage_.try_emplace(storage.unsafeGetStorageImpl());
+    if (first) entry->storage.emplace(storage.getWeakStorageImpl());
+    entry->aliases.push_back(ref);
   }
 }
 
@@ -203,7 +207,11 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
     // The autograd node for this op (if any) was created just before autograd redispatched to
     // us, so it holds the previous sequence number. The first op to see a number is its creator.
     uint64_t next = at::sequence_number::peek();
-    if (next > 0) node_location_.try_emplace(next - 1, site);
+    if (next > 0 && next - 1 != last_noted_sequence_nr_) {
+      last_noted_sequence_nr_ = next - 1;
+      auto [loc, inserted] = node_location_.try_emplace(next - 1);
+      if (inserted) *loc = site;
+    }
     return site;
   }
   // Backward ops: the location of the forward op that created the autograd node, plus the
@@ -220,8 +228,8 @@ uint64_t Region::locate(OpRecord& rec, torch::autograd::Node* node, bool has_pyt
     // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
     base = trace::hash_combine(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
   } else {
-    auto it = node_location_.find(node->sequence_nr());
-    base = it != node_location_.end() ? it->second : trace::hash_combine(0xb0, node_type);
+    const uint64_t* forward = node_location_.find(node->sequence_nr());
+    base = forward != nullptr ? *forward : trace::hash_combine(0xb0, node_type);
   }
   return locations_.derive(base, trace::hash_combine(node_type, site), backward_index_++,
                            [node] { return node->name(); });
@@ -247,7 +255,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   std::lock_guard<std::mutex> lock(mu_);
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
-  OpRecord& rec = trace_.ops.emplace_back(OpRecord{op});
+  OpRecord& rec = trace_.ops.emplace_back(op);
   rec.location = locate(rec, node.get(), has_python);
   if (has_python) PyGILState_Release(gil);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
