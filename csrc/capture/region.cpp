@@ -48,6 +48,13 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true)
   return h;  // None, Generator, ...: the tag says enough
 }
 
+// emplace_back(MetaOf{t}) builds the TensorMeta in the record's slot (the conversion's result
+// is not a temporary), instead of building it aside and moving its two SmallVectors in.
+struct MetaOf {
+  const at::Tensor& t;
+  operator TensorMeta() const { return meta_of(t); }
+};
+
 at::Tensor copy_wrapped_number(const at::Tensor& t) {
   SuspendGuard no_interception;
   c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
@@ -285,12 +292,12 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor()) {
-      rec.outputs.push_back(meta_of(v.toTensor()));
+      rec.outputs.emplace_back(MetaOf{v.toTensor()});
       produce(v.toTensor(), index, k++);
       if (report) flat.push_back(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) {
-        rec.outputs.push_back(meta_of(t));
+        rec.outputs.emplace_back(MetaOf{t});
         produce(t, index, k++);
         if (report) flat.push_back(t);
       }
@@ -370,7 +377,7 @@ void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutput
         out = make_placeholder_view(args[spec.argument].toTensor(), spec.meta, op);
         break;
     }
-    rec.outputs.push_back(meta_of(out));
+    rec.outputs.emplace_back(MetaOf{out});
     produce(out, index, k++);
     return out;
   };
