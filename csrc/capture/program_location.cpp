@@ -2,7 +2,8 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <unordered_map>
+#include <memory>
+#include <tuple>
 
 #include "trace/hash.h"
 
@@ -15,10 +16,13 @@ namespace {
 
 // Process-wide: a code object's loops never change, and computing them (Python's dis) costs
 // around a millisecond for a large function; every region would otherwise pay it again. The
-// cache holds a reference to each code object so that its address is never reused.
+// cache holds a reference to each code object so that its address is never reused. Looked up
+// for every frame of every op's stack (a module's forward is several frames deep): an
+// open-addressing table; each range list has its own allocation so that references to it
+// survive the table growing. Only touched with the GIL held.
 struct LoopRangeCache {
   PyObject* finder = nullptr;  // terra_torch._locations.loop_ranges
-  std::unordered_map<PyCodeObject*, std::vector<LocationTracker::LoopRange>> ranges;
+  common::FlatMap<PyCodeObject*, std::unique_ptr<std::vector<LocationTracker::LoopRange>>> ranges{256};
 };
 
 LoopRangeCache& loop_range_cache() {
@@ -45,8 +49,8 @@ LocationTracker::~LocationTracker() {
 const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCodeObject* code) {
   if (code == last_code_) return *last_ranges_;  // consecutive ops mostly share frames
   auto& cache = loop_range_cache();
-  auto it = cache.ranges.find(code);
-  if (it == cache.ranges.end()) {
+  std::unique_ptr<std::vector<LoopRange>>* ranges = cache.ranges.find(code);
+  if (ranges == nullptr) {
     std::vector<LoopRange> found;
     PyObject* result = PyObject_CallOneArg(cache.finder, reinterpret_cast<PyObject*>(code));
     if (result != nullptr) {
@@ -60,12 +64,18 @@ const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCo
     } else {
       PyErr_Clear();  // no loop information is a degraded location, not an error
     }
-    Py_INCREF(reinterpret_cast<PyObject*>(code));
-    it = cache.ranges.emplace(code, std::move(found)).first;
+    // Inserted only now: while Python ran the finder, another thread may have taken the GIL
+    // and grown the table (or cached this very code object).
+    bool inserted;
+    std::tie(ranges, inserted) = cache.ranges.try_emplace(code);
+    if (inserted) {
+      Py_INCREF(reinterpret_cast<PyObject*>(code));
+      *ranges = std::make_unique<std::vector<LoopRange>>(std::move(found));
+    }
   }
   last_code_ = code;
-  last_ranges_ = &it->second;
-  return it->second;
+  last_ranges_ = ranges->get();
+  return **ranges;
 }
 
 void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out) {

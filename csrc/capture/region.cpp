@@ -22,6 +22,7 @@ namespace terra::capture {
 namespace {
 
 std::atomic<Region*> g_active{nullptr};
+std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
 
 
 // A Python float passed straight to an op (a learning rate, Adam's bias correction) is a value
@@ -82,11 +83,14 @@ bool is_host_op(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) 
 Region* active_region() { return g_active.load(std::memory_order_acquire); }
 
 Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {
-  trace_.ops.reserve(1024);  // a training step is hundreds to thousands of ops
-  // Sized for a typical step up front: growing a table rehashes every entry, which cost more
-  // per op than the lookups themselves.
-  produced_.reserve(1024);
-  produced_storage_.reserve(1024);
+  // Sized up front: growing the tables rehashes every entry (it cost more per op than the
+  // lookups), while a table much larger than the region is initialised and swept for nothing
+  // (a 70-op training step paid for 2,048 slots). Regions repeat one step, so the previous
+  // region's size is the best guess.
+  const size_t expected = g_expected_ops.load(std::memory_order_relaxed);
+  trace_.ops.reserve(expected + expected / 8);
+  produced_.reserve(expected);
+  produced_storage_.reserve(expected);
 }
 
 Region::Region(CoExecHook* hook, PyFrameObject* stop_frame) : Region(Mode::CoExec, stop_frame) { hook_ = hook; }
@@ -108,6 +112,7 @@ void Region::close() {
   intercept_.reset();
   g_active.store(nullptr, std::memory_order_release);
   open_ = false;
+  g_expected_ops.store(std::max<size_t>(trace_.ops.size(), 16), std::memory_order_relaxed);
   // The tables only serve the open region; a closed one (kept for its trace) holds no memory.
   produced_ = decltype(produced_)();
   produced_storage_ = decltype(produced_storage_)();
