@@ -4,8 +4,8 @@
 // Why not std::unordered_map: it allocates a node per insert, and the capture layer inserts on
 // nearly every intercepted op; those mallocs were a large share of the per-op cost (see
 // docs/ARCHITECTURE.md, "Per-op cost"). Here slots live in one array: an insert into a table
-// that has grown allocates nothing. Entries are never erased one by one (only clear()), so
-// linear probing needs no tombstones.
+// that has grown allocates nothing. Entries are never erased (a region drops its tables whole),
+// so linear probing needs no tombstones.
 //
 // Pointers to values stay valid until the next insert that grows the table.
 #pragma once
@@ -58,24 +58,6 @@ class FlatMap {
       }
       if (s.key == key) return {&s.value, false};
     }
-  }
-
-  // Drops every entry; keeps the capacity (a region reuses it on its next iteration).
-  void clear() {
-    if (size_ == 0) return;
-    for (Slot& s : slots_) {
-      if (s.used) {
-        s.value = V();
-        s.used = false;
-      }
-    }
-    size_ = 0;
-  }
-
-  template <typename F>
-  void for_each(F&& f) const {
-    for (const Slot& s : slots_)
-      if (s.used) f(s.key, s.value);
   }
 
  private:
