@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <memory>
+#include <tuple>
 
 #include "trace/hash.h"
 
@@ -14,10 +16,13 @@ namespace {
 
 // Process-wide: a code object's loops never change, and computing them (Python's dis) costs
 // around a millisecond for a large function; every region would otherwise pay it again. The
-// cache holds a reference to each code object so that its address is never reused.
+// cache holds a reference to each code object so that its address is never reused. Looked up
+// for every frame of every op's stack (a module's forward is several frames deep): an
+// open-addressing table; each range list has its own allocation so that references to it
+// survive the table growing. Only touched with the GIL held.
 struct LoopRangeCache {
   PyObject* finder = nullptr;  // terra_torch._locations.loop_ranges
-  std::unordered_map<PyCodeObject*, std::vector<LocationTracker::LoopRange>> ranges;
+  common::FlatMap<PyCodeObject*, std::unique_ptr<std::vector<LocationTracker::LoopRange>>> ranges{256};
 };
 
 LoopRangeCache& loop_range_cache() {
@@ -44,8 +49,8 @@ LocationTracker::~LocationTracker() {
 const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCodeObject* code) {
   if (code == last_code_) return *last_ranges_;  // consecutive ops mostly share frames
   auto& cache = loop_range_cache();
-  auto it = cache.ranges.find(code);
-  if (it == cache.ranges.end()) {
+  std::unique_ptr<std::vector<LoopRange>>* ranges = cache.ranges.find(code);
+  if (ranges == nullptr) {
     std::vector<LoopRange> found;
     PyObject* result = PyObject_CallOneArg(cache.finder, reinterpret_cast<PyObject*>(code));
     if (result != nullptr) {
@@ -59,12 +64,18 @@ const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCo
     } else {
       PyErr_Clear();  // no loop information is a degraded location, not an error
     }
-    Py_INCREF(reinterpret_cast<PyObject*>(code));
-    it = cache.ranges.emplace(code, std::move(found)).first;
+    // Inserted only now: while Python ran the finder, another thread may have taken the GIL
+    // and grown the table (or cached this very code object).
+    bool inserted;
+    std::tie(ranges, inserted) = cache.ranges.try_emplace(code);
+    if (inserted) {
+      Py_INCREF(reinterpret_cast<PyObject*>(code));
+      *ranges = std::make_unique<std::vector<LoopRange>>(std::move(found));
+    }
   }
   last_code_ = code;
-  last_ranges_ = &it->second;
-  return it->second;
+  last_ranges_ = ranges->get();
+  return **ranges;
 }
 
 void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out) {
@@ -117,7 +128,7 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
       uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
       active_.push_back(loop_id);
-      LoopState& state = loop_state_[loop_id];
+      LoopState& state = *loop_state_.try_emplace(loop_id).first;
       bool was_active = std::find(previous_active_.begin(), previous_active_.end(), loop_id) != previous_active_.end();
       position_in_loop(d, r, &position_);
       if (!was_active) {
@@ -131,9 +142,9 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   }
   std::swap(active_, previous_active_);
 
-  auto [it, inserted] = frames_.try_emplace(id);
+  auto [frames, inserted] = frames_.try_emplace(id);
   if (inserted) {
-    it->second = scratch_;
+    *frames = scratch_;
     for (const FrameRef& f : scratch_) loop_ranges(f.code);  // pins each code object
   }
   return id;
@@ -145,15 +156,14 @@ uint64_t LocationTracker::derived_id(uint64_t base, uint64_t tag, uint64_t index
 
 std::vector<std::string> LocationTracker::describe(uint64_t id) const {
   std::vector<std::string> out;
-  auto derived = derived_.find(id);
-  if (derived != derived_.end()) {
-    out = describe(derived->second.base);
-    out.push_back("backward: " + derived->second.label + " op " + std::to_string(derived->second.index));
+  if (const Derived* derived = derived_.find(id)) {
+    out = describe(derived->base);
+    out.push_back("backward: " + derived->label + " op " + std::to_string(derived->index));
     return out;
   }
-  auto it = frames_.find(id);
-  if (it == frames_.end()) return out;
-  for (const FrameRef& f : it->second) {
+  const std::vector<FrameRef>* frames = frames_.find(id);
+  if (frames == nullptr) return out;
+  for (const FrameRef& f : *frames) {
     PyObject* file = f.code->co_filename;
     PyObject* name = f.code->co_name;
     int line = PyCode_Addr2Line(f.code, f.lasti);

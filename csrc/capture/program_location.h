@@ -14,9 +14,10 @@
 
 #include <c10/util/SmallVector.h>
 
+#include "common/flat_map.h"
+
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace terra::capture {
@@ -79,14 +80,14 @@ class LocationTracker {
   PyFrameObject* stop_frame_;
   PyCodeObject* last_code_ = nullptr;  // one-entry memo in front of the process-wide cache
   const std::vector<LoopRange>* last_ranges_ = nullptr;
-  std::unordered_map<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
+  common::FlatMap<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
   struct Derived {
-    uint64_t base;
-    uint64_t index;
+    uint64_t base = 0;
+    uint64_t index = 0;
     std::string label;
   };
-  std::unordered_map<uint64_t, Derived> derived_;  // derived id -> what it derives from
-  std::unordered_map<uint64_t, LoopState> loop_state_;
+  common::FlatMap<uint64_t, Derived> derived_;  // derived id -> what it derives from
+  common::FlatMap<uint64_t, LoopState> loop_state_;
   // Reused buffers: a capture allocates nothing once they have grown.
   std::vector<uint64_t> active_;           // loops enclosing the current op
   std::vector<uint64_t> previous_active_;  // ... and the previous op
@@ -97,7 +98,8 @@ class LocationTracker {
 template <typename Label>
 uint64_t LocationTracker::derive(uint64_t base, uint64_t tag, uint64_t index, Label&& label) {
   uint64_t id = derived_id(base, tag, index);
-  if (derived_.find(id) == derived_.end()) derived_.emplace(id, Derived{base, index, label()});
+  auto [entry, inserted] = derived_.try_emplace(id);
+  if (inserted) *entry = Derived{base, index, label()};
   return id;
 }
 

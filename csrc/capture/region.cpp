@@ -22,6 +22,7 @@ namespace terra::capture {
 namespace {
 
 std::atomic<Region*> g_active{nullptr};
+std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
 
 
 // A Python float passed straight to an op (a learning rate, Adam's bias correction) is a value
@@ -47,6 +48,13 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true)
   }
   return h;  // None, Generator, ...: the tag says enough
 }
+
+// emplace_back(MetaOf{t}) builds the TensorMeta in the record's slot (the conversion's result
+// is not a temporary), instead of building it aside and moving its two SmallVectors in.
+struct MetaOf {
+  const at::Tensor& t;
+  operator TensorMeta() const { return meta_of(t); }
+};
 
 at::Tensor copy_wrapped_number(const at::Tensor& t) {
   SuspendGuard no_interception;
@@ -75,8 +83,14 @@ bool is_host_op(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) 
 Region* active_region() { return g_active.load(std::memory_order_acquire); }
 
 Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {
-  trace_.ops.reserve(1024);  // a training step is hundreds to thousands of ops
-  produced_.reserve(1024);
+  // Sized up front: growing the tables rehashes every entry (it cost more per op than the
+  // lookups), while a table much larger than the region is initialised and swept for nothing
+  // (a 70-op training step paid for 2,048 slots). Regions repeat one step, so the previous
+  // region's size is the best guess.
+  const size_t expected = g_expected_ops.load(std::memory_order_relaxed);
+  trace_.ops.reserve(expected + expected / 8);
+  produced_.reserve(expected);
+  produced_storage_.reserve(expected);
 }
 
 Region::Region(CoExecHook* hook, PyFrameObject* stop_frame) : Region(Mode::CoExec, stop_frame) { hook_ = hook; }
@@ -98,22 +112,23 @@ void Region::close() {
   intercept_.reset();
   g_active.store(nullptr, std::memory_order_release);
   open_ = false;
-  produced_.clear();
-  produced_storage_.clear();
+  g_expected_ops.store(std::max<size_t>(trace_.ops.size(), 16), std::memory_order_relaxed);
+  // The tables only serve the open region; a closed one (kept for its trace) holds no memory.
+  produced_ = decltype(produced_)();
+  produced_storage_ = decltype(produced_storage_)();
 }
 
 ValueRef Region::reference(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto it = produced_.find(impl);
-  if (it != produced_.end()) return it->second.ref;
+  if (const Produced* p = produced_.find(impl)) return p->ref;
   if (t.has_storage()) {
-    auto entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl());
-    if (entry != produced_storage_.end()) {
+    if (const StorageEntry* entry = produced_storage_.find(impl->unsafe_storage().unsafeGetStorageImpl())) {
       // Newest first: after an in-place op the newest version is the one to read.
-      for (auto alias = entry->second.aliases.rbegin(); alias != entry->second.aliases.rend(); ++alias) {
-        if (alias->storage_offset == impl->storage_offset() && alias->dtype == impl->dtype() &&
-            c10::IntArrayRef(alias->sizes) == impl->sizes() && c10::IntArrayRef(alias->strides) == impl->strides())
-          return alias->ref;
+      for (auto alias = entry->aliases.rbegin(); alias != entry->aliases.rend(); ++alias) {
+        const TensorMeta& m = trace_.ops[alias->record].outputs[alias->output];
+        if (m.storage_offset == impl->storage_offset() && caffe2::TypeMeta::fromScalarType(m.dtype) == impl->dtype() &&
+            c10::IntArrayRef(m.sizes) == impl->sizes() && c10::IntArrayRef(m.strides) == impl->strides())
+          return *alias;
       }
     }
   }
@@ -128,34 +143,35 @@ ValueRef Region::reference(const at::Tensor& t) {
     ref.external = static_cast<int32_t>(trace_.externals.size() - 1);
     return ref;
   }
-  auto [ext, inserted] = external_index_.try_emplace(impl, static_cast<int32_t>(trace_.externals.size()));
+  auto [ext, inserted] = external_index_.try_emplace(impl);
   if (inserted) {
+    *ext = static_cast<int32_t>(trace_.externals.size());
     trace_.externals.push_back({meta_of(t), impl});
     externals_alive_.push_back(t);
   }
   ValueRef ref;
-  ref.external = ext->second;
+  ref.external = *ext;
   return ref;
 }
 
 void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
+  // Called right after trace_.ops[record].outputs[output] was set to t's metadata: the storage
+  // aliases below compare against that record.
   if (!t.defined()) return;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   ValueRef ref;
   ref.record = record;
   ref.output = output;
-  // In-place ops return their input: its newest version is this output from now on.
-  produced_.insert_or_assign(impl, Produced{c10::weak_intrusive_ptr<c10::TensorImpl>(
-                                                t.getIntrusivePtr()), ref});
+  // In-place ops return their input: its newest version is this output from now on (the pin
+  // taken when it was first seen still holds the same address).
+  auto [produced, fresh] = produced_.try_emplace(impl);
+  if (fresh) produced->impl.emplace(t.getIntrusivePtr());
+  produced->ref = ref;
   if (t.has_storage()) {
     const c10::Storage& storage = impl->unsafe_storage();
-    auto entry = produced_storage_.find(storage.unsafeGetStorageImpl());
-    if (entry == produced_storage_.end())
-      entry = produced_storage_.emplace(storage.unsafeGetStorageImpl(), StorageEntry(storage.getWeakStorageImpl())).first;
-    entry->second.aliases.push_back({impl->storage_offset(),
-                                     c10::SmallVector<int64_t, 6>(impl->sizes().begin(), impl->sizes().end()),
-                                     c10::SmallVector<int64_t, 6>(impl->strides().begin(), impl->strides().end()),
-                                     impl->dtype(), ref});
+    auto [entry, first] = produced_storage_.try_emplace(storage.unsafeGetStorageImpl());
+    if (first) entry->storage.emplace(storage.getWeakStorageImpl());
+    entry->aliases.push_back(ref);
   }
 }
 
@@ -203,7 +219,11 @@ uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* nod
     // The autograd node for this op (if any) was created just before autograd redispatched to
     // us, so it holds the previous sequence number. The first op to see a number is its creator.
     uint64_t next = at::sequence_number::peek();
-    if (next > 0) node_location_.try_emplace(next - 1, Creator{site, index});
+    if (next > 0 && next - 1 != last_noted_sequence_nr_) {
+      last_noted_sequence_nr_ = next - 1;
+      auto [creator, inserted] = node_location_.try_emplace(next - 1);
+      if (inserted) *creator = Creator{site, index};
+    }
     return site;
   }
   // Backward ops: the location of the forward op that created the autograd node, plus the
@@ -220,9 +240,9 @@ uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* nod
     // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
     base = trace::hash_combine(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
   } else {
-    auto it = node_location_.find(node->sequence_nr());
-    base = it != node_location_.end() ? it->second.location : trace::hash_combine(0xb0, node_type);
-    if (it != node_location_.end()) rec.origin = it->second.record;
+    const Creator* forward = node_location_.find(node->sequence_nr());
+    base = forward != nullptr ? forward->location : trace::hash_combine(0xb0, node_type);
+    if (forward != nullptr) rec.origin = forward->record;
   }
   return locations_.derive(base, trace::hash_combine(node_type, site), backward_index_++,
                            [node] { return node->name(); });
@@ -248,7 +268,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   std::lock_guard<std::mutex> lock(mu_);
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
-  OpRecord& rec = trace_.ops.emplace_back(OpRecord{op});
+  OpRecord& rec = trace_.ops.emplace_back(op);
   rec.location = locate(rec, index, node.get(), has_python);
   if (has_python) PyGILState_Release(gil);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
@@ -278,12 +298,12 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor()) {
-      rec.outputs.push_back(meta_of(v.toTensor()));
+      rec.outputs.emplace_back(MetaOf{v.toTensor()});
       produce(v.toTensor(), index, k++);
       if (report) flat.push_back(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) {
-        rec.outputs.push_back(meta_of(t));
+        rec.outputs.emplace_back(MetaOf{t});
         produce(t, index, k++);
         if (report) flat.push_back(t);
       }
@@ -363,7 +383,7 @@ void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutput
         out = make_placeholder_view(args[spec.argument].toTensor(), spec.meta, op);
         break;
     }
-    rec.outputs.push_back(meta_of(out));
+    rec.outputs.emplace_back(MetaOf{out});
     produce(out, index, k++);
     return out;
   };

@@ -13,9 +13,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
 
 #include "capture/program_location.h"
+#include "common/flat_map.h"
 #include "capture/terra_key.h"
 #include "capture/trace_record.h"
 
@@ -58,7 +58,8 @@ class Region {
 
  private:
   struct Produced {
-    c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // pins the address, not the tensor
+    // Pins the address, not the tensor. Optional only so that table slots can start empty.
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;
     ValueRef ref;
   };
 
@@ -81,29 +82,24 @@ class Region {
   std::optional<InterceptGuard> intercept_;  // our key in this thread's TLS include set
   LocationTracker locations_;
   Trace trace_;
-  std::unordered_map<const c10::TensorImpl*, Produced> produced_;
+  common::FlatMap<const c10::TensorImpl*, Produced> produced_;
   // The same value can come back as another TensorImpl over the same storage: autograd unpacks
   // the outputs it saved for backward into fresh tensors, after the original tensor object may
-  // have died. Matched by storage (pinned, so its address stays unique) and metadata.
-  struct StorageAlias {
-    int64_t storage_offset;
-    c10::SmallVector<int64_t, 6> sizes, strides;
-    caffe2::TypeMeta dtype;
-    ValueRef ref;
-  };
+  // have died. Matched by storage (pinned, so its address stays unique) and metadata; the
+  // metadata of each alias is its record's output TensorMeta, so nothing is copied here.
   struct StorageEntry {
-    explicit StorageEntry(c10::weak_intrusive_ptr<c10::StorageImpl> s) : storage(std::move(s)) {}
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    c10::SmallVector<StorageAlias, 2> aliases;
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    c10::SmallVector<ValueRef, 2> aliases;
   };
-  std::unordered_map<const c10::StorageImpl*, StorageEntry> produced_storage_;
-  std::unordered_map<const c10::TensorImpl*, int32_t> external_index_;
+  common::FlatMap<const c10::StorageImpl*, StorageEntry> produced_storage_;
+  common::FlatMap<const c10::TensorImpl*, int32_t> external_index_;
   std::vector<at::Tensor> externals_alive_;  // externals stay alive so their identity stays unique
   struct Creator {  // the forward op that created an autograd node
-    uint64_t location;
-    int32_t record;
+    uint64_t location = 0;
+    int32_t record = -1;
   };
-  std::unordered_map<uint64_t, Creator> node_location_;  // autograd sequence_nr -> its creator
+  common::FlatMap<uint64_t, Creator> node_location_;  // autograd sequence_nr -> its creator
+  uint64_t last_noted_sequence_nr_ = UINT64_MAX;  // ops that create no node see the same number again
   const void* last_backward_node_ = nullptr;
   uint64_t backward_index_ = 0;
   c10::SmallVector<LoopFrame, 2> last_loops_;

@@ -19,7 +19,10 @@ namespace terra::capture {
 
 namespace {
 
-uint64_t hash_key(const std::vector<int64_t>& k) {
+// Built on the stack: the key of an ordinary op (two or three tensors of up to 4 dims) fits.
+using Key = c10::SmallVector<int64_t, 48>;
+
+uint64_t hash_key(c10::ArrayRef<int64_t> k) {
   uint64_t h = 1469598103934665603ULL;
   for (int64_t v : k) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
   return h;
@@ -36,18 +39,21 @@ std::mutex cache_mu;
 std::unordered_map<uint64_t, std::vector<std::unique_ptr<CacheEntry>>> cache;
 size_t cache_entries = 0;
 
-void key_tensor(std::vector<int64_t>& key, const at::Tensor& t) {
+void key_tensor(Key& key, const at::Tensor& t) {
   if (!t.defined()) { key.push_back(-7); return; }
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::Device device = impl->device();
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
   key.push_back(static_cast<int64_t>(t.scalar_type()));
-  key.push_back(static_cast<int64_t>(t.device().type()) * 256 + t.device().index());
-  key.push_back(t.dim());
-  for (int64_t s : t.sizes()) key.push_back(s);
-  for (int64_t s : t.strides()) key.push_back(s);
-  key.push_back(t.storage_offset());
-  key.push_back(t.unsafeGetTensorImpl()->is_wrapped_number());
+  key.push_back(static_cast<int64_t>(device.type()) * 256 + device.index());
+  key.push_back(static_cast<int64_t>(sizes.size()));
+  key.append(sizes.begin(), sizes.end());
+  key.append(strides.begin(), strides.end());
+  key.push_back(impl->storage_offset());
+  key.push_back(impl->is_wrapped_number());
 }
 
-void key_ivalue(std::vector<int64_t>& key, const c10::IValue& v) {
+void key_ivalue(Key& key, const c10::IValue& v) {
   key.push_back(static_cast<int64_t>(v.tag));
   if (v.isTensor()) {
     key_tensor(key, v.toTensor());
@@ -197,9 +203,8 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
 }  // namespace
 
 const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  // The key buffer is reused: a cache hit allocates nothing.
-  thread_local std::vector<int64_t> key;
-  key.clear();
+  // A cache hit allocates nothing (the key lives on the stack).
+  Key key;
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
   for (const c10::IValue& v : args) key_ivalue(key, v);
   const uint64_t h = hash_key(key);
@@ -208,9 +213,9 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
     auto it = cache.find(h);
     if (it != cache.end())
       for (const auto& entry : it->second)
-        if (entry->key == key) return entry->outputs;
+        if (c10::ArrayRef<int64_t>(entry->key) == c10::ArrayRef<int64_t>(key)) return entry->outputs;
   }
-  auto entry = std::make_unique<CacheEntry>(CacheEntry{key, run_on_meta(op, args)});
+  auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
   ++cache_entries;
   return cache[h].emplace_back(std::move(entry))->outputs;
