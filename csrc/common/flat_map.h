@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "trace/hash.h"
+
 namespace terra::common {
 
 template <typename K, typename V>
@@ -67,16 +69,9 @@ class FlatMap {
     V value{};
   };
 
-  static uint64_t scramble(uint64_t x) {
-    // splitmix64's finaliser: addresses are 16-byte aligned and sequence numbers consecutive,
-    // so the low bits alone would crowd a few slots.
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-  }
+  // splitmix64's finaliser: addresses are 16-byte aligned and sequence numbers consecutive, so
+  // the low bits alone would crowd a few slots.
+  static uint64_t scramble(uint64_t x) { return trace::mix64(x); }
   size_t home(K key) const {
     uint64_t bits;
     if constexpr (std::is_pointer_v<K>)
