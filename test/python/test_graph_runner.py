@@ -118,13 +118,20 @@ def test_python_waiter_releases_the_gil(runners):
     script = plan.script(neg)
     runner.start_iteration()
     finished = {}
+    calling = threading.Event()
 
     def waiter():
+        calling.set()
         finished["out"] = _runtime.collect(runner.channel, script)  # no timeout: blocks
 
     t = threading.Thread(target=waiter, daemon=True)
     t.start()
     wait_until_blocked(runner.channel)
+    # The stall counter below needs the waiter inside wait_fetch before the post; the channel
+    # cannot say when it is, so give it the GIL for a while after it announced the call (under
+    # load it once posted first and the counter stayed 0).
+    assert calling.wait(TIMEOUT)
+    time.sleep(0.05)
     _runtime.post(runner.channel, script)
     t.join(TIMEOUT)
     assert not t.is_alive(), "the waiting thread never woke"
