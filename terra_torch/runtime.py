@@ -271,11 +271,16 @@ def synchronize_all() -> None:
 
 
 @atexit.register
-def _close_all() -> None:
-    # Runs before _C's own atexit hook (registered earlier): the graphs finish their work and
-    # the placeholders a program still holds get their values.
+def close_all() -> None:
+    """Close every program: each graph finishes its work and the placeholders a program still
+    holds get their values; no iteration stays open. A failure is logged, not raised.
+
+    Registered at exit (before _C's own hook, registered earlier); tests call it after each
+    test so that one that fails midway leaves nothing open for the next."""
+    global _active
     for p in list(_programs):
         try:
             p.close()
         except Exception as e:  # noqa: BLE001 - exit must go on
-            logger.warning("terra_torch: closing %s at exit failed: %s", p.name, e)
+            logger.warning("terra_torch: closing %s failed: %s", p.name, e)
+    _active = None

@@ -98,12 +98,8 @@ trace::Trace CapturedProgram::translate(const capture::Trace& in) {
   for (size_t i = 0; i < in.ops.size(); ++i) {
     const capture::OpRecord& rec = in.ops[i];
     trace::OpRecord op;
-    op.key = key_of(in, rec, rec.outputs.size());
+    op.key = key_and_frames(in, rec, rec.outputs.size(), op.loops);
     op.origin = rec.origin;
-    if (rec.origin >= 0 && static_cast<size_t>(rec.origin) < i) key_backward(op.key, in.ops[rec.origin].loops);
-    op.loops.reserve(rec.loops.size());
-    for (const capture::LoopFrame& f : rec.loops)
-      if (!is_flattened(f.loop_id)) op.loops.push_back({f.loop_id, f.iteration});
     op.inputs.reserve(rec.inputs.size());
     const bool read = is_read_op(rec.op.schema());
     for (const capture::OpInput& input : rec.inputs) {
@@ -121,6 +117,22 @@ trace::Trace CapturedProgram::translate(const capture::Trace& in) {
     out.ops.push_back(std::move(op));
   }
   return out;
+}
+
+trace::OpKey CapturedProgram::key_and_frames(const capture::Trace& trace, const capture::OpRecord& rec,
+                                             size_t num_outputs, std::vector<trace::LoopFrame>& frames) const {
+  trace::OpKey key = key_of(trace, rec, num_outputs);
+  frames.clear();
+  if (flattened_.empty()) {  // the common case, on the runtime's per-op path
+    for (const capture::LoopFrame& f : rec.loops) frames.push_back({f.loop_id, f.iteration});
+    return key;
+  }
+  for (const capture::LoopFrame& f : rec.loops)
+    if (!is_flattened(f.loop_id)) frames.push_back({f.loop_id, f.iteration});
+  if (rec.origin >= 0 && static_cast<size_t>(rec.origin) < trace.ops.size())
+    for (const capture::LoopFrame& f : trace.ops[rec.origin].loops)
+      if (is_flattened(f.loop_id)) key.location ^= iteration_mark(f.loop_id, f.iteration);
+  return key;
 }
 
 uint32_t CapturedProgram::add(const capture::Trace& captured) {

@@ -73,29 +73,29 @@ class CapturedProgram {
   // The TraceGraph input for a captured trace (without merging it).
   trace::Trace translate(const capture::Trace& trace);
 
+  // The key and loop frames of a captured record as this program merges it: frames of
+  // flattened loops dropped, backward ops keyed by their forward op's trip through them. Both
+  // translate() and the runtime's cursor take records from here, so they see the same thing.
+  trace::OpKey key_and_frames(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs,
+                              std::vector<trace::LoopFrame>& frames) const;
+
   // Treats the loops `loop_ids` as straight-line code from now on: their loop frames are dropped
   // (here and, through is_flattened, by the runtime's cursor), so each iteration merges as its
   // own copy of the body and a varying trip count becomes a switch after each iteration. Every
   // trace is merged again into a new TraceGraph: node ids change. False if no id was new.
   bool flatten(std::span<const uint64_t> loop_ids);
-  bool is_flattened(uint64_t loop_id) const { return flattened_.count(loop_id) != 0; }
-  bool any_flattened() const { return !flattened_.empty(); }
 
+ private:
+  bool is_flattened(uint64_t loop_id) const { return flattened_.count(loop_id) != 0; }
   // Backward ops are located by the forward op that created their autograd node, which is one
   // statement for every iteration of a loop. Once the loop is flattened, the backward of
   // iteration i must not merge with the backward of iteration j (their data flow differs: each
   // reads its own iteration's activations), so the forward op's trip through each flattened
-  // loop joins the key. XOR per loop: the same key whichever round flattened which loop.
-  template <class Frames>
-  void key_backward(trace::OpKey& key, const Frames& origin_frames) const {
-    for (const auto& f : origin_frames)
-      if (is_flattened(f.loop_id)) key.location ^= iteration_mark(f.loop_id, f.iteration);
-  }
+  // loop joins the key: XOR of one mark per loop, the same whichever round flattened which loop.
   static uint64_t iteration_mark(uint64_t loop_id, uint32_t iteration) {
     return trace::mix64(trace::hash_combine(loop_id, iteration + 1));
   }
 
- private:
   uint32_t feed_id(const capture::ExternalInput& external);
 
   trace::TraceGraph graph_;

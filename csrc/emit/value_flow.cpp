@@ -85,10 +85,8 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
     items.erase(std::unique(items.begin(), items.end()), items.end());
     reads_.emplace(key, intern(std::move(items)));
   }
-  ambiguous_.resize(num_vars_);
   producers_.resize(num_vars_);
   for (const auto& [items, var] : sets_) {
-    ambiguous_[var] = items.size() > 1 || (items.size() == 1 && items[0].any);
     bool any = false;
     for (const Item& i : items) {
       any |= i.any;

@@ -56,8 +56,6 @@ class ValueFlow {
   // Appends the variables copy `copy` of `node` assigns with output `output`.
   void assigned_by(trace::NodeId node, uint32_t output, const CopyIndex& copy, std::vector<VarId>& out) const;
   uint32_t num_vars() const { return num_vars_; }
-  // More than one producer copy can assign `var` (the graph reads whichever ran last).
-  bool ambiguous(VarId var) const { return var < ambiguous_.size() && ambiguous_[var]; }
   // The producers (node, output) that can assign `var`; empty when one of them is "any copy".
   const std::vector<std::pair<trace::NodeId, uint32_t>>& producers(VarId var) const { return producers_.at(var); }
   // Loop ids (LoopFrame::loop_id) of prim::Loop loops some trace read a stale iteration of.
@@ -100,7 +98,6 @@ class ValueFlow {
   std::vector<std::pair<std::vector<Item>, VarId>> sets_;             // for interning
   std::unordered_map<uint64_t, std::vector<uint32_t>> set_index_;    // set hash -> sets_ entries
   uint32_t num_vars_ = 0;
-  std::vector<bool> ambiguous_;  // per variable
   std::vector<std::vector<std::pair<trace::NodeId, uint32_t>>> producers_;  // per variable
   std::vector<uint64_t> stale_loops_;
 };

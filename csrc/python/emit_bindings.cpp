@@ -56,6 +56,8 @@ class PyGraph {
     std::optional<trace::Program> structured;
     emitted_ = emit::emit_program(state_->program, structured, {.optimize = optimize});
     structured_ = std::move(*structured);
+    // Case assignment of every round (a round that flattens loops assigns and emits again), and
+    // the emission attempts that asked for flattening.
     timings_["assign_cases_ms"] = ms_since(t0) - emitted_.stats.emit_ms - emitted_.stats.optimize_ms;
     timings_["emit_ms"] = emitted_.stats.emit_ms;
     timings_["optimize_ms"] = emitted_.stats.optimize_ms;  // passes + lint (lint alone if not optimizing)

@@ -170,11 +170,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                                              bool needs_data, bool host) {
   ++stats_.ops;
   if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
-  trace::OpKey key = emit::key_of(region.trace(), rec, num_outputs);
-  if (rec.origin >= 0 && program_.any_flattened()) program_.key_backward(key, region.trace().ops.at(rec.origin).loops);
-  loops_.clear();
-  for (const capture::LoopFrame& f : rec.loops)
-    if (!program_.any_flattened() || !program_.is_flattened(f.loop_id)) loops_.push_back({f.loop_id, f.iteration});
+  const trace::OpKey key = program_.key_and_frames(region.trace(), rec, num_outputs, loops_);
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(op_name(rec) + " is not where the traced iterations had it", index);
   const trace::NodeId node = m.node;

@@ -25,12 +25,7 @@ def _isolated():
     """A failing test must not leave its iteration open for the next one."""
     yield
     from terra_torch import runtime
-    for program in list(runtime._programs):
-        try:
-            program.close()
-        except Exception:  # noqa: BLE001
-            pass
-    runtime._active = None
+    runtime.close_all()
 
 
 @dataclass
@@ -93,6 +88,14 @@ def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+
+
+def seeded_mlp(terra: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """mlp() and its sgd() from seed 0, the model wrapped when `terra`."""
+    torch.manual_seed(0)
+    m = mlp()
+    opt = sgd(m)
+    return (terra_torch.wrap(m) if terra else m), opt
 
 
 def plain_step(model, opt, x, y):
@@ -458,11 +461,7 @@ def test_explicit_generator_runs_eagerly_and_correctly():
     # A generator object passed to an op cannot be baked into a graph: the program says why
     # and runs eagerly (correct results, no co-execution).
     def train(terra: bool):
-        torch.manual_seed(0)
-        m = mlp()
-        opt = sgd(m)
-        if terra:
-            m = terra_torch.wrap(m)
+        m, opt = seeded_mlp(terra)
         for i in range(8):
             g = torch.Generator().manual_seed(i)
             x = torch.randn(4, 8, generator=g)
@@ -493,11 +492,7 @@ def test_keyboard_interrupt_stops_cleanly():
     # Ctrl-C lands between two ops of an iteration: the loop stops, the graph finishes what
     # Python validated, and the parameters are exactly eager's after the same ops.
     def train(terra: bool):
-        torch.manual_seed(0)
-        m = mlp()
-        opt = sgd(m)
-        if terra:
-            m = terra_torch.wrap(m)
+        m, opt = seeded_mlp(terra)
         try:
             for i in range(40):
                 x, y = data(i)

@@ -45,12 +45,7 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
     dynamo_backend.reset()
-    for program in list(runtime._programs):
-        try:
-            program.close()
-        except Exception:  # noqa: BLE001 - cleanup must not hide the test's own failure
-            pass
-    runtime._active = None
+    runtime.close_all()
 
 
 # ---- models ------------------------------------------------------------------------------------

@@ -24,12 +24,7 @@ DATA = [(torch.randn(4, 8, generator=_g), torch.randn(4, 1, generator=_g)) for _
 @pytest.fixture(autouse=True)
 def _isolated():
     yield
-    for program in list(runtime._programs):
-        try:
-            program.close()
-        except Exception:  # noqa: BLE001
-            pass
-    runtime._active = None
+    runtime.close_all()
 
 
 def train(model: nn.Module, steps: int, extra=None) -> None:
