@@ -36,6 +36,15 @@ class CoExecHook {
   virtual void materialize_inputs(c10::ArrayRef<c10::IValue> args) = 0;
   // The outputs of a matched op, flattened (undefined where the op returned none).
   virtual void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) = 0;
+
+  // Errors only the data can raise (capture/value_checks.h). Whether the op `rec`, not flagged
+  // `checked` by the capture layer, must still be checked first: it raised at this location in
+  // an earlier iteration.
+  virtual bool check_first(const OpRecord& rec) = 0;
+  // A checked op raised before validate(): kPlaceholder if the graph can go on without it (it
+  // waits at the op's gate, and Python's next op picks the path), else kDiverged (the graph is
+  // stopped and the rest of the region records real ops).
+  virtual Verdict check_raised(const Region& region, const OpRecord& rec, int32_t index) = 0;
 };
 
 }  // namespace terra::capture

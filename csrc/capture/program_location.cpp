@@ -21,8 +21,8 @@ namespace {
 // open-addressing table; each range list has its own allocation so that references to it
 // survive the table growing. Only touched with the GIL held.
 struct LoopRangeCache {
-  PyObject* finder = nullptr;  // terra_torch._locations.loop_ranges
-  common::FlatMap<PyCodeObject*, std::unique_ptr<std::vector<LocationTracker::LoopRange>>> ranges{256};
+  PyObject* finder = nullptr;  // terra_torch._locations.code_facts
+  common::FlatMap<PyCodeObject*, std::unique_ptr<LocationTracker::CodeFacts>> ranges{256};
 };
 
 LoopRangeCache& loop_range_cache() {
@@ -36,9 +36,9 @@ LocationTracker::LocationTracker(PyFrameObject* stop_frame) : stop_frame_(stop_f
   if (cache.finder == nullptr) {
     PyObject* mod = PyImport_ImportModule("terra_torch._locations");
     if (mod == nullptr) throw std::runtime_error("terra_torch: cannot import terra_torch._locations");
-    cache.finder = PyObject_GetAttrString(mod, "loop_ranges");
+    cache.finder = PyObject_GetAttrString(mod, "code_facts");
     Py_DECREF(mod);
-    if (cache.finder == nullptr) throw std::runtime_error("terra_torch._locations.loop_ranges missing");
+    if (cache.finder == nullptr) throw std::runtime_error("terra_torch._locations.code_facts missing");
   }
 }
 
@@ -46,36 +46,49 @@ LocationTracker::~LocationTracker() {
   Py_XDECREF(stop_frame_);  // destroyed with the GIL held (regions end from Python)
 }
 
-const std::vector<LocationTracker::LoopRange>& LocationTracker::loop_ranges(PyCodeObject* code) {
-  if (code == last_code_) return *last_ranges_;  // consecutive ops mostly share frames
+namespace {
+
+// [(a, b), ...] from Python into `out`; false (with the Python error cleared) if malformed.
+template <typename Pair>
+bool read_pairs(PyObject* list, std::vector<Pair>& out) {
+  if (list == nullptr || !PyList_Check(list)) return false;
+  for (Py_ssize_t i = 0; i < PyList_Size(list); ++i) {
+    PyObject* pair = PyList_GetItem(list, i);
+    if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) return false;
+    out.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 0))),
+                   static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 1)))});
+  }
+  return true;
+}
+
+}  // namespace
+
+const LocationTracker::CodeFacts& LocationTracker::code_facts(PyCodeObject* code) {
+  if (code == last_code_) return *last_facts_;  // consecutive ops mostly share frames
   auto& cache = loop_range_cache();
-  std::unique_ptr<std::vector<LoopRange>>* ranges = cache.ranges.find(code);
-  if (ranges == nullptr) {
-    std::vector<LoopRange> found;
+  std::unique_ptr<CodeFacts>* facts = cache.ranges.find(code);
+  if (facts == nullptr) {
+    CodeFacts found;
     PyObject* result = PyObject_CallOneArg(cache.finder, reinterpret_cast<PyObject*>(code));
-    if (result != nullptr) {
-      Py_ssize_t n = PyList_Size(result);
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* pair = PyList_GetItem(result, i);
-        found.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 0))),
-                         static_cast<int>(PyLong_AsLong(PyTuple_GetItem(pair, 1)))});
-      }
-      Py_DECREF(result);
-    } else {
-      PyErr_Clear();  // no loop information is a degraded location, not an error
+    bool ok = result != nullptr && PyTuple_Check(result) && PyTuple_Size(result) == 2 &&
+              read_pairs(PyTuple_GetItem(result, 0), found.loops) && read_pairs(PyTuple_GetItem(result, 1), found.guarded);
+    Py_XDECREF(result);
+    if (!ok) {
+      PyErr_Clear();  // no bytecode facts is a degraded location, not an error
+      found = CodeFacts{};
     }
     // Inserted only now: while Python ran the finder, another thread may have taken the GIL
     // and grown the table (or cached this very code object).
     bool inserted;
-    std::tie(ranges, inserted) = cache.ranges.try_emplace(code);
+    std::tie(facts, inserted) = cache.ranges.try_emplace(code);
     if (inserted) {
       Py_INCREF(reinterpret_cast<PyObject*>(code));
-      *ranges = std::make_unique<std::vector<LoopRange>>(std::move(found));
+      *facts = std::make_unique<CodeFacts>(std::move(found));
     }
   }
   last_code_ = code;
-  last_ranges_ = ranges->get();
-  return **ranges;
+  last_facts_ = facts->get();
+  return **facts;
 }
 
 void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out) {
@@ -99,7 +112,7 @@ void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std:
   }
 }
 
-uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
+uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded) {
   // Walk innermost -> outermost, then reverse, so that locations read top-down.
   scratch_.clear();
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
@@ -142,12 +155,29 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops) {
   }
   std::swap(active_, previous_active_);
 
-  auto [frames, inserted] = frames_.try_emplace(id);
+  auto [interned, inserted] = frames_.try_emplace(id);
   if (inserted) {
-    *frames = scratch_;
-    for (const FrameRef& f : scratch_) loop_ranges(f.code);  // pins each code object
+    interned->frames = scratch_;
+    interned->guarded = outer_guarded();
+    for (const FrameRef& f : scratch_)  // (code_facts also pins each code object)
+      for (const auto& [start, end] : code_facts(f.code).guarded)
+        interned->guarded |= f.lasti >= start && f.lasti < end;
   }
+  if (guarded) *guarded = interned->guarded;
   return id;
+}
+
+bool LocationTracker::outer_guarded() {
+  if (outer_guarded_) return *outer_guarded_;
+  bool guarded = false;
+  if (stop_frame_ != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(stop_frame_);  // new reference
+    const int lasti = PyFrame_GetLasti(stop_frame_);
+    for (const auto& [start, end] : code_facts(code).guarded) guarded |= lasti >= start && lasti < end;
+    Py_DECREF(code);  // (code_facts pinned it)
+  }
+  outer_guarded_ = guarded;
+  return guarded;
 }
 
 uint64_t LocationTracker::derived_id(uint64_t base, uint64_t tag, uint64_t index) {
@@ -161,9 +191,9 @@ std::vector<std::string> LocationTracker::describe(uint64_t id) const {
     out.push_back("backward: " + derived->label + " op " + std::to_string(derived->index));
     return out;
   }
-  const std::vector<FrameRef>* frames = frames_.find(id);
-  if (frames == nullptr) return out;
-  for (const FrameRef& f : *frames) {
+  const Interned* interned = frames_.find(id);
+  if (interned == nullptr) return out;
+  for (const FrameRef& f : interned->frames) {
     PyObject* file = f.code->co_filename;
     PyObject* name = f.code->co_name;
     int line = PyCode_Addr2Line(f.code, f.lasti);

@@ -6,6 +6,12 @@
 // sites gives different ids. Loops are recognised from bytecode: each code object's backward
 // jumps, computed once and cached, give the instruction ranges of its loops; an op inside such a
 // range carries a LoopFrame with the loop's id and its iteration number. See docs/LOCATIONS.md.
+// The same per-code-object pass finds the instructions an `except` clause of the user's covers:
+// a location is *guarded* when any of its frames stands in one (the program may catch what an
+// op there raises). The stop frame counts for that too, though it is not part of the location:
+// a `try` around the call of the training step catches one iteration's error and trains on.
+// Its callers do not: a `try` around the whole training loop ends it on an error, and there an
+// error that surfaces a few ops late costs nothing, while checking first costs a wait per op.
 //
 // Only Python.h is needed here, so this TU stays cheap to compile. Every call needs the GIL.
 #pragma once
@@ -17,6 +23,7 @@
 #include "common/flat_map.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,8 +52,9 @@ class LocationTracker {
   LocationTracker(const LocationTracker&) = delete;
   LocationTracker& operator=(const LocationTracker&) = delete;
 
-  // Location of the current Python stack; fills `loops` (outermost first). Needs the GIL.
-  uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops);
+  // Location of the current Python stack; fills `loops` (outermost first) and, if given,
+  // `guarded`. Needs the GIL.
+  uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded = nullptr);
 
   // An id for a location derived from another (backward ops: forward location + tag).
   // `label` (the autograd node's name) is asked for only the first time an id is seen, since
@@ -66,6 +74,10 @@ class LocationTracker {
     int start;  // jump target (loop head)
     int end;    // offset of the backward jump
   };
+  struct CodeFacts {
+    std::vector<LoopRange> loops;
+    std::vector<std::pair<int, int>> guarded;  // [start, end) offsets covered by an except clause
+  };
 
  private:
   struct LoopState {
@@ -74,13 +86,23 @@ class LocationTracker {
   };
 
   static uint64_t derived_id(uint64_t base, uint64_t tag, uint64_t index);
-  const std::vector<LoopRange>& loop_ranges(PyCodeObject* code);
+  const CodeFacts& code_facts(PyCodeObject* code);
+  const std::vector<LoopRange>& loop_ranges(PyCodeObject* code) { return code_facts(code).loops; }
   void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
+  bool outer_guarded();
+
   PyFrameObject* stop_frame_;
+  // Whether an except clause of the stop frame covers the call that entered the region: the
+  // frame is suspended in that call while the region is open, so it is asked once.
+  std::optional<bool> outer_guarded_;
   PyCodeObject* last_code_ = nullptr;  // one-entry memo in front of the process-wide cache
-  const std::vector<LoopRange>* last_ranges_ = nullptr;
-  common::FlatMap<uint64_t, std::vector<FrameRef>> frames_;  // interned locations
+  const CodeFacts* last_facts_ = nullptr;
+  struct Interned {
+    std::vector<FrameRef> frames;
+    bool guarded = false;
+  };
+  common::FlatMap<uint64_t, Interned> frames_;  // interned locations
   struct Derived {
     uint64_t base = 0;
     uint64_t index = 0;

@@ -1,6 +1,7 @@
 #include "capture/region.h"
 
 #include <ATen/SequenceNumber.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -14,6 +15,7 @@
 #include "capture/placeholder.h"
 #include "capture/shape_inference.h"
 #include "capture/terra_key.h"
+#include "capture/value_checks.h"
 
 #include "trace/hash.h"
 
@@ -203,13 +205,13 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   rec.attributes_hash = h;
 }
 
-uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python) {
+uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool* guarded) {
   // The Python stack gives forward ops their location and every op its loop context. Backward
   // ops on CPU run on the thread that called backward(), whose frames are still there; on an
   // engine device thread there are none, and the newest forward op's loops stand in.
   uint64_t site = 0;
   if (has_python) {
-    site = locations_.capture(&rec.loops);
+    site = locations_.capture(&rec.loops, node == nullptr ? guarded : nullptr);
     last_loops_ = rec.loops;
   } else {
     rec.loops = last_loops_;
@@ -269,8 +271,10 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
   OpRecord& rec = trace_.ops.emplace_back(op);
-  rec.location = locate(rec, index, node.get(), has_python);
+  bool guarded = false;
+  rec.location = locate(rec, index, node.get(), has_python, &guarded);
   if (has_python) PyGILState_Release(gil);
+  rec.checked = guarded && checks_argument_values(op);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 
@@ -285,6 +289,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   try {
     run_real(op, ks, stack);
   } catch (...) {
+    raised_.push_back(check_key(rec.location, op));
     trace_.ops.pop_back();  // the op raised in the user's program: it did not happen
     throw;
   }
@@ -340,6 +345,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     try {
       run_real(op, ks, stack);
     } catch (...) {
+      raised_.push_back(check_key(rec.location, op));
       trace_.ops.pop_back();
       throw;
     }
@@ -350,6 +356,9 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     record_outputs(op, rec, index, stack, !diverged);
     return true;
   }
+  if (rec.checked || hook_->check_first(rec)) {
+    check_first(op, ks, rec, index, args);  // returns only if the op would not raise
+  }
   size_t num_outputs = 0;
   for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
   if (hook_->validate(*this, rec, index, args, num_outputs, false, false) == CoExecHook::Verdict::kDiverged) {
@@ -359,6 +368,38 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
   run_placeholder(op, *inferred, rec, index, args, stack);
   hook_->outputs(index, flatten());
   return true;
+}
+
+void Region::check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
+                         c10::ArrayRef<c10::IValue> args) {
+  hook_->materialize_inputs(args);  // everything Python validated has run; the graph waits at this op's gate
+  const c10::FunctionSchema& schema = op.schema();
+  torch::jit::Stack probe;
+  probe.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = i < schema.arguments().size() ? schema.arguments()[i].alias_info() : nullptr;
+    if (alias != nullptr && alias->isWrite() && args[i].isTensor() && args[i].toTensor().defined()) {
+      SuspendGuard no_interception;
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+      probe.emplace_back(args[i].toTensor().clone());  // the graph writes the real one
+    } else {
+      probe.push_back(args[i]);
+    }
+  }
+  std::exception_ptr raised;
+  try {
+    run_real(op, ks, &probe);
+    return;
+  } catch (...) {
+    raised = std::current_exception();
+  }
+  // Eager raised here: so does the program, at this op, with eager's exception. The op did not
+  // happen; the runtime decides whether the graph can go on without it.
+  raised_.push_back(check_key(rec.location, op));
+  const bool diverged = hook_->check_raised(*this, rec, index) == CoExecHook::Verdict::kDiverged;
+  trace_.ops.pop_back();
+  if (diverged) mode_ = Mode::Record;
+  std::rethrow_exception(raised);
 }
 
 void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,

@@ -53,6 +53,9 @@ class Region {
   const std::vector<at::Tensor>& external_tensors() const { return externals_alive_; }
   LocationTracker& locations() { return locations_; }
 
+  // Ops that raised in the user's program, as capture::check_key(location, op), in order.
+  const std::vector<uint64_t>& raised() const { return raised_; }
+
   // The interceptor's entry: every aten op of the region arrives here.
   void handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
@@ -65,7 +68,11 @@ class Region {
 
   ValueRef reference(const at::Tensor& t);
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
-  uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python);
+  uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool* guarded);
+  // Co-execution of a checked op: its inputs get their values and it runs once for real on
+  // them (written arguments cloned) before the graph may run it. Rethrows what it raised.
+  void check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
+                   c10::ArrayRef<c10::IValue> args);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
                        int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
@@ -103,6 +110,7 @@ class Region {
   const void* last_backward_node_ = nullptr;
   uint64_t backward_index_ = 0;
   c10::SmallVector<LoopFrame, 2> last_loops_;
+  std::vector<uint64_t> raised_;
 };
 
 // The region ops are routed to, or nullptr.

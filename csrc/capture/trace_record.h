@@ -63,6 +63,9 @@ struct OpRecord {
   // Its loop frames tell which iteration of a flattened loop this backward op belongs to.
   int32_t origin = -1;
   bool needs_materialization = false;  // data-dependent output: a placeholder cannot stand in
+  // An op whose kernel checks its arguments' values (capture/value_checks.h), issued where an
+  // except clause of the program covers it: co-execution checks it before the graph runs it.
+  bool checked = false;
 };
 
 struct Trace {

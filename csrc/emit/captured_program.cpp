@@ -10,6 +10,7 @@
 #include <ATen/core/enum_tag.h>
 
 #include "capture/region.h"
+#include "capture/value_checks.h"
 #include "trace/hash.h"
 
 namespace terra::emit {
@@ -142,6 +143,7 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
   for (size_t i = 0; i < captured.ops.size(); ++i) {
     std::optional<OpInfo>& slot = infos_[merged.record_nodes[i]];
     const capture::OpRecord& rec = captured.ops[i];
+    if (rec.checked) add_check(capture::check_key(rec.location, rec.op));
     if (slot) {
       for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a)
         if (slot->attributes[a].isDouble() && rec.attributes[a].isDouble() &&
@@ -159,6 +161,11 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
   traces_.push_back(std::move(t));
   record_nodes_.push_back(std::move(merged.record_nodes));
   return static_cast<uint32_t>(traces_.size() - 1);
+}
+
+uint64_t CapturedProgram::check_key(trace::NodeId n) const {
+  const OpInfo* op = info(n);
+  return op == nullptr ? 0 : capture::check_key(graph_.node(n).key.location, op->op);
 }
 
 bool CapturedProgram::flatten(std::span<const uint64_t> loop_ids) {

@@ -79,6 +79,14 @@ class CapturedProgram {
   trace::OpKey key_and_frames(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs,
                               std::vector<trace::LoopFrame>& frames) const;
 
+  // Errors only the data can raise (capture/value_checks.h): the ops, as capture::check_key,
+  // that co-execution checks before the graph runs them, so the graph waits at their gate.
+  // Merged records flagged `checked` add theirs; so does every op that raised in an iteration.
+  void add_check(uint64_t key) { checks_.insert(key); }
+  bool is_check(uint64_t key) const { return !checks_.empty() && checks_.count(key) != 0; }
+  // The check key of op node `n` (0 for other nodes).
+  uint64_t check_key(trace::NodeId n) const;
+
   // Treats the loops `loop_ids` as straight-line code from now on: their loop frames are dropped
   // (here and, through is_flattened, by the runtime's cursor), so each iteration merges as its
   // own copy of the body and a varying trip count becomes a switch after each iteration. Every
@@ -104,6 +112,7 @@ class CapturedProgram {
   std::vector<std::optional<OpInfo>> infos_;
   std::unordered_map<const void*, uint32_t> feed_ids_;
   std::unordered_set<uint64_t> flattened_;
+  std::unordered_set<uint64_t> checks_;
 };
 
 // The OpKey.op of an operator: a stable 64-bit hash of "ns::name.overload", equal across runs.

@@ -54,6 +54,9 @@ struct EmittedGraph {
   // execution publishes (0 for reads and nodes without ops), and whether it waits at a gate.
   std::vector<uint32_t> node_publishes;
   std::vector<uint8_t> node_gated;
+  // The check keys (capture::check_key) of the checked ops this graph gates: Python may let
+  // such an op raise without stopping the graph (it has not run it).
+  std::unordered_set<uint64_t> gated_checks;
   // Emitted inside a prim::Loop: its iterations share one copy, so a reader elsewhere sees only
   // the latest execution (the PythonRunner checks that Python reads that one too).
   std::vector<uint8_t> node_in_loop;

@@ -212,7 +212,10 @@ class Emitter {
     }
     ++out_.stats.ops;
     std::vector<Value*> args = arguments(n, *info);
-    const bool gated = coexec_ && has_side_effect(info->op);
+    const uint64_t check = coexec_ ? cp_.check_key(n) : 0;
+    const bool checked = coexec_ && cp_.is_check(check);
+    if (checked) out_.gated_checks.insert(check);
+    const bool gated = coexec_ && (has_side_effect(info->op) || checked);
     if (gated) channel_op(gate_, {int_constant(n)}, nullptr);
     Node* node = g_.insertNode(g_.create(c10::Symbol::fromQualString(schema.name()), args, 0));
     for (const c10::Argument& r : schema.returns()) node->addOutput()->setType(r.type());

@@ -19,6 +19,7 @@
 #include "capture/placeholder.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
+#include "capture/value_checks.h"
 #include "runtime/executor.h"
 
 namespace terra::runtime {
@@ -86,9 +87,11 @@ at::Tensor argument_tensor(c10::ArrayRef<c10::IValue> args, const capture::OpInp
 
 }  // namespace
 
-PythonRunner::PythonRunner(const emit::CapturedProgram& program, const trace::Program& structured,
-                           const emit::EmittedGraph& emitted, Drive drive)
+PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
+                           const emit::EmittedGraph& emitted, Drive drive,
+                           const std::vector<std::vector<std::string>>* node_frames)
     : program_(program),
+      node_frames_(node_frames),
       structured_(structured),
       emitted_(emitted),
       drive_(drive),
@@ -110,20 +113,13 @@ void PythonRunner::begin_iteration() {
   TORCH_CHECK(!stopped_, "terra_torch: this PythonRunner was shut down");
   TORCH_CHECK(!in_iteration_, "terra_torch internal error: an iteration is already running");
   try {
-    drain_outcomes(false);  // an earlier graph iteration's error surfaces here
-  } catch (...) {
-    // The graph failed in an op Python could not check (an index out of range): what it had
+    // An earlier graph iteration's error surfaces here (a failed graph cancels the channel at
+    // once; its iteration ends soon after).
+    drain_outcomes(channel_->cancelled());
+  } catch (const std::exception& e) {
+    // The graph failed in an op Python did not check (an index out of range): what it had
     // not computed is lost. Start clean so that the program can go on after the error.
-    channel_->cancel("an earlier graph iteration failed");
-    try {
-      drain_outcomes(true);
-    } catch (...) {
-    }
-    runner_->reset();
-    values_->clear();
-    links_.clear();
-    pending_.clear();
-    throw;
+    recover_from_failure(describe_failure(e.what()));
   }
   cursor_.reset();
   record_nodes_.clear();
@@ -144,6 +140,10 @@ void PythonRunner::begin_iteration() {
 
 bool PythonRunner::end_iteration(bool partial) {
   TORCH_CHECK(in_iteration_, "terra_torch internal error: no iteration to end");
+  struct Ended {  // also when the graph's failure surfaces here
+    bool& flag;
+    ~Ended() { flag = false; }
+  } ended{in_iteration_};
   if (!diverged_) {
     const trace::Match m = cursor_.finish();
     if (!m.matched && partial) {
@@ -169,6 +169,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                                              int32_t index, c10::ArrayRef<c10::IValue> args, size_t num_outputs,
                                              bool needs_data, bool host) {
   ++stats_.ops;
+  if (diverged_) return Verdict::kDiverged;  // the graph failed under this iteration (recover_from_failure)
   if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
   const trace::OpKey key = program_.key_and_frames(region.trace(), rec, num_outputs, loops_);
   const trace::Match m = cursor_.step(key, loops_);
@@ -318,6 +319,20 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   }
 }
 
+bool PythonRunner::check_first(const capture::OpRecord& rec) {
+  return !diverged_ && program_.is_check(capture::check_key(rec.location, rec.op));
+}
+
+PythonRunner::Verdict PythonRunner::check_raised(const capture::Region& region, const capture::OpRecord& rec,
+                                                 int32_t index) {
+  const uint64_t key = capture::check_key(rec.location, rec.op);
+  program_.add_check(key);
+  if (emitted_.gated_checks.count(key) != 0) return Verdict::kPlaceholder;  // the graph waits at its gate
+  // The graph was generated before this op was known to raise: it may have run it already.
+  return diverge(op_name(rec) + " raised (checked before the graph ran it), and this graph does not wait for the check",
+                 index);
+}
+
 // ---- posting -----------------------------------------------------------------------------------
 
 void PythonRunner::post(Post p) {
@@ -325,7 +340,24 @@ void PythonRunner::post(Post p) {
   if (drive_ == Drive::kCoExec && pending_.size() >= kPostBatch) flush();
 }
 
-void PythonRunner::flush() { channel_->post_batch(pending_); }
+void PythonRunner::flush() {
+  try {
+    channel_->post_batch(pending_);
+  } catch (const ChannelCancelled&) {
+    surface_failure();  // a graph that failed cancelled the channel: its own error, not this one
+    throw;
+  }
+}
+
+void PythonRunner::surface_failure() {
+  try {
+    drain_outcomes(true);
+  } catch (const python_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    recover_from_failure(describe_failure(e.what()));
+  }
+}
 
 PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
   int64_t bits;
@@ -338,6 +370,66 @@ PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
 void PythonRunner::wait_for_graph(int64_t count) {
   if (values_->published() >= count) return;
   flush();
+  try {
+    wait_published(count);
+  } catch (const python_error&) {
+    throw;  // KeyboardInterrupt
+  } catch (const std::exception& e) {
+    recover_from_failure(describe_failure(e.what()));
+  }
+}
+
+void PythonRunner::recover_from_failure(const std::string& error) {
+  channel_->cancel("the graph failed");
+  {
+    GilRelease no_gil;
+    while (waited_ < started_) {
+      try {
+        runner_->wait_iteration(std::chrono::nanoseconds::max());
+      } catch (...) {
+        // the failed iteration, and the ones queued after it (cancelled)
+      }
+      ++waited_;
+    }
+  }
+  runner_->reset();
+  values_->clear();
+  links_.clear();
+  pending_.clear();
+  if (in_iteration_ && !diverged_) {
+    // Nothing of this iteration can run on the graph any more: the rest of it records real ops.
+    diverged_ = true;
+    reason_ = "the graph failed: " + error;
+    divergence_record_ = -1;
+    ++stats_.divergences;
+  }
+  throw std::runtime_error(error);
+}
+
+std::string PythonRunner::describe_failure(const std::string& error) {
+  // The graph runs ops in the order Python validated them and publishes each op's outputs
+  // when it has run: the first value not published is the op that failed (if Python had
+  // reached it; the graph may also have run ahead into ops Python has not validated yet).
+  // Iterations queued after the failed one are cancelled at their first channel op, and every
+  // publish is one, so the count stays where the failure left it.
+  if (error.find("The following operation failed") == std::string::npos) return error;
+  const std::optional<int64_t> tag = values_->tag_at(values_->published());
+  if (!tag) return error;
+  const trace::NodeId node = static_cast<trace::NodeId>(*tag >> 8);
+  const uint64_t key = program_.check_key(node);
+  if (key == 0) return error;
+  program_.add_check(key);
+  std::string where;
+  if (node_frames_ != nullptr && node < node_frames_->size())
+    for (const std::string& frame : (*node_frames_)[node]) where += "\n  " + frame;
+  const emit::OpInfo* info = program_.info(node);
+  return "terra_torch: " + (info ? c10::toString(info->op.operator_name()) : std::string("an op")) +
+         " raised in the graph after Python had gone past it (no except clause of the program covers it, and it "
+         "had not raised here before; from now on it is checked before the graph runs it)" +
+         (where.empty() ? std::string() : ", issued at:" + where) + "\n" + error;
+}
+
+void PythonRunner::wait_published(int64_t count) {
   const auto t0 = Clock::now();
   struct Account {
     PythonRunnerStats& s;
@@ -348,7 +440,9 @@ void PythonRunner::wait_for_graph(int64_t count) {
   auto last_signal_check = t0;
   while (!values_->wait_published(count, std::chrono::milliseconds(2))) {
     if (channel_->cancelled()) {
-      if (runner_->in_flight() == 0) drain_outcomes(false);  // a failed graph: its own error
+      // A failed graph cancels the channel before its iteration counts as finished: wait for
+      // it (it stops at its next channel op), so that its own error is the one raised.
+      drain_outcomes(true);
       throw std::runtime_error("terra_torch: the graph was cancelled (" + channel_->cancel_reason() + ")");
     }
     if (runner_->in_flight() == 0) {

@@ -49,9 +49,12 @@ enum class Drive { kCoExec, kLazy };
 
 class PythonRunner final : public capture::CoExecHook {
  public:
-  // `program`, `structured` and `emitted` must outlive the runner (the Session owns them).
-  PythonRunner(const emit::CapturedProgram& program, const trace::Program& structured,
-               const emit::EmittedGraph& emitted, Drive drive);
+  // `program`, `structured`, `emitted` and `node_frames` (per node, "file:line in function" of
+  // its first record, for error messages) must outlive the runner (the Session owns them). The
+  // runner adds to `program`'s check keys the ops the graph failed in.
+  PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
+               const emit::EmittedGraph& emitted, Drive drive,
+               const std::vector<std::vector<std::string>>* node_frames = nullptr);
   ~PythonRunner() override;
 
   // ---- iteration boundaries (Python thread) ----
@@ -87,6 +90,8 @@ class PythonRunner final : public capture::CoExecHook {
                    c10::ArrayRef<c10::IValue> args, size_t num_outputs, bool needs_data, bool host) override;
   void materialize_inputs(c10::ArrayRef<c10::IValue> args) override;
   void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
+  bool check_first(const capture::OpRecord& rec) override;
+  Verdict check_raised(const capture::Region& region, const capture::OpRecord& rec, int32_t index) override;
 
  private:
   struct Link {  // a tensor whose current value lives in the value table
@@ -111,6 +116,18 @@ class PythonRunner final : public capture::CoExecHook {
   // Waits until the graph has published `count` values of the output sequence; throws if it
   // failed, was cancelled, or is blocked on something Python has not sent (it never will).
   void wait_for_graph(int64_t count);
+  void wait_published(int64_t count);
+  // The graph failed in an op Python had let through (an error only the data could raise, in an
+  // op no except clause covers): names that op in `error` and learns its check key, so that it
+  // is checked first from now on. Needs the value table as the failure left it.
+  std::string describe_failure(const std::string& error);
+  // The channel was found cancelled: waits for the graph's iterations to end and rethrows the
+  // error of one that failed, described (returns if none failed: Python cancelled it).
+  void surface_failure();
+  // After the graph failed: waits out every started graph iteration, resets runner, channel and
+  // value table, ends the open iteration's co-execution (its rest records real ops), and throws
+  // `error`. Placeholders whose values the graph had not computed stay without one.
+  [[noreturn]] void recover_from_failure(const std::string& error);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
@@ -120,7 +137,8 @@ class PythonRunner final : public capture::CoExecHook {
       const std::vector<trace::Source>& sources);
   void drain_outcomes(bool block);
 
-  const emit::CapturedProgram& program_;
+  emit::CapturedProgram& program_;
+  const std::vector<std::vector<std::string>>* node_frames_;
   const trace::Program& structured_;
   const emit::EmittedGraph& emitted_;
   const Drive drive_;

@@ -36,6 +36,7 @@ bool Session::add(const capture::Region& region) {
     covered = covered && cursor.finish().matched;
   }
   const uint32_t index = program_.add(region.trace());
+  for (const uint64_t key : region.raised()) program_.add_check(key);  // checked first from now on
   // Described now, while the region's code objects are at hand (needs the GIL, which the
   // caller holds): pictures label nodes with these frames.
   const auto& nodes = program_.record_nodes(index);
@@ -55,7 +56,7 @@ void Session::build() {
   const std::vector<std::vector<trace::NodeId>> before = program_.all_record_nodes();
   emitted_ = emit::emit_program(program_, structured_, {.optimize = options_.optimize, .lint = true, .coexec = true});
   if (program_.all_record_nodes() != before) remap_node_frames(before);
-  runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive);
+  runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive, &node_frames_);
   ++builds_;
 }
 

@@ -117,6 +117,13 @@ int64_t ValueTable::published() const {
   return published_;
 }
 
+std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(index);
+  if (it == entries_.end() || !it->second.expected) return std::nullopt;
+  return it->second.tag;
+}
+
 int64_t ValueTable::expected() const {
   std::lock_guard lock(mu_);
   return expected_;

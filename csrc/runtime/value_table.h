@@ -46,6 +46,8 @@ class ValueTable {
   // The graph's value at `index`, if it has been published and kept.
   std::optional<at::Tensor> value(int64_t index) const;
   int64_t published() const;
+  // The tag Python expects at `index`, if it has claimed that index.
+  std::optional<int64_t> tag_at(int64_t index) const;
   int64_t expected() const;
   // Waits until published() >= count or `slice` has passed. True when reached.
   bool wait_published(int64_t count, std::chrono::nanoseconds slice);

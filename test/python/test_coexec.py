@@ -194,6 +194,116 @@ def test_d_try_except():
     assert sum(1 for entry in r.log if entry[0] == "raised") == (STEPS + 3) // 4
 
 
+# (d) continued: the error comes from a kernel's check of the data (an index out of range), which
+# no placeholder shape can foresee. Co-execution checks such an op first wherever an except clause
+# of the program covers it, so the exception is raised at the op, with eager's type and message.
+class Bag(nn.Module):
+    VOCAB = 20
+
+    def __init__(self, catch: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(self.VOCAB, 8)
+        self.head = nn.Linear(8, 1)
+        self.catch = catch
+        self.bad = 0
+        self.last_error: tuple[str, str] | None = None
+
+    def forward(self, ids):
+        if not self.catch:
+            return self.head(self.emb(ids).mean(dim=1))
+        try:
+            e = self.emb(ids)
+        except IndexError as err:
+            self.bad += 1
+            self.last_error = (type(err).__name__, str(err))
+            e = self.emb(ids.clamp(0, self.VOCAB - 1))
+        return self.head(e.mean(dim=1))
+
+
+_gi = torch.Generator().manual_seed(7)
+IDS = [torch.randint(0, Bag.VOCAB, (4, 5), generator=_gi) for _ in range(6)]
+for _k in (2, 5):
+    IDS[_k][1, 2] = Bag.VOCAB + _k  # a corrupt id in every third batch
+
+
+def bag_step(model, opt, i):
+    return plain_step(model, opt, IDS[i % 6], torch.full((4, 1), float(i % 2)))
+
+
+def test_d_kernel_error_caught_in_forward():
+    def make():
+        m = Bag()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        bag_step(model, opt, i)
+        log.append((model.bad, model.last_error))
+
+    r = check(make, step, max_fallbacks=1)  # the first bad batch in co-execution finds no except path yet
+    assert r.log[-1][0] == len([i for i in range(STEPS) if i % 3 == 2])
+    assert r.log[-1][1][0] == "IndexError"
+    assert r.stats.iterations["coexec"] >= STEPS - 5
+
+
+def test_d_kernel_error_caught_around_the_step_call():
+    """The except clause is in the loop that calls the step, above the frames of the iteration."""
+    def train(terra: bool):
+        torch.manual_seed(0)
+        net = Bag(catch=False)
+        opt = sgd(net)
+        model = terra_torch.wrap(net) if terra else net
+        caught = []
+        for i in range(40):
+            try:
+                bag_step(model, opt, i)
+            except IndexError as err:
+                caught.append((i, str(err)))
+        stats = None
+        if terra:
+            terra_torch.synchronize()
+            stats = terra_torch.stats(model)
+            terra_torch.unwrap(model)
+        return caught, [p.detach().clone() for p in net.parameters()], stats
+
+    eager_caught, eager_params, _ = train(False)
+    caught, params, stats = train(True)
+    assert caught == eager_caught and len(caught) == 13
+    for a, b in zip(eager_params, params):
+        assert torch.equal(a, b)
+    assert stats.iterations["coexec"] >= 30, stats
+    assert stats.fallbacks <= 2, stats
+
+
+def test_kernel_error_nobody_catches_is_reported_then_checked_first():
+    """No except clause covers the op: the graph meets the error after Python went on, so it
+    surfaces late, naming the op and its line; from then on the op is checked first."""
+    torch.manual_seed(0)
+    net = Bag(catch=False)
+    opt = sgd(net)
+    model = terra_torch.wrap(net)
+
+    def steps(batches):  # no try anywhere around the iteration
+        for i in batches:
+            bag_step(model, opt, i)
+
+    with pytest.raises(RuntimeError) as late:  # at a later step, or at the latest when Python waits
+        steps([0, 1, 3, 4] * 5 + [2, 0, 1])
+        terra_torch.synchronize()
+    message = str(late.value)
+    assert "raised in the graph after Python had gone past it" in message, message
+    assert "index out of range" in message and "test_coexec.py" in message, message
+    # Learned: the same data now raises at the op, as in eager.
+    with pytest.raises(IndexError, match="index out of range in self"):
+        steps([0, 1, 3, 4] * 3 + [5])
+    assert model._terra_program.phase == "coexec"
+    before = terra_torch.stats(model).iterations["coexec"]
+    steps([0, 1, 3, 4] * 3)
+    terra_torch.synchronize()
+    assert terra_torch.stats(model).iterations["coexec"] > before
+    for p in net.parameters():
+        assert torch.isfinite(p).all()
+
+
 # (e) Python object mutation: counters, list appends, attributes changed in forward
 def test_e_object_mutation():
     class Counting(nn.Module):

@@ -1,0 +1,27 @@
+// Ops whose kernels check the *values* of their tensor arguments and raise on bad data: an index
+// out of range (embedding, gather, index_put_), a class target out of range (nll_loss), a
+// probability outside [0, 1] (bernoulli, binary_cross_entropy), a matrix that is not positive
+// definite (cholesky). A placeholder's shape inference cannot see these errors, so in
+// co-execution they would only surface on the graph's thread, after Python had gone on. Where
+// the program catches what such an op raises (an except clause around it), co-execution checks
+// the arguments before the graph may run the op (docs/RUNTIME.md, "Errors only the data can
+// raise"). The list errs on the side of including an op: a needless check costs a wait.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdint>
+
+#include "trace/hash.h"
+
+namespace terra::capture {
+
+bool checks_argument_values(const c10::OperatorHandle& op);
+
+// Names one op at one program location across the iterations of a process (the operator's
+// schema lives as long as its registration): the unit co-execution learns "raised here" for.
+inline uint64_t check_key(uint64_t location, const c10::OperatorHandle& op) {
+  return trace::hash_combine(location, reinterpret_cast<uintptr_t>(&op.schema()));
+}
+
+}  // namespace terra::capture
