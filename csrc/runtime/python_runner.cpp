@@ -96,6 +96,7 @@ PythonRunner::PythonRunner(const emit::CapturedProgram& program, const trace::Pr
       values_(std::make_shared<ValueTable>()),
       cursor_(structured) {
   channel_->attach_values(values_);
+  channel_->use_streams(StreamSync::for_devices(program.devices()));
   runner_ = std::make_unique<GraphRunner>(std::make_unique<TorchScriptExecutor>(emitted.graph), channel_);
 }
 
@@ -336,6 +337,8 @@ PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
 // ---- waiting and values ------------------------------------------------------------------------
 
 void PythonRunner::wait_for_graph(int64_t count) {
+  // Python reads after this: its stream must also wait for the graph's (docs/RUNTIME.md, "Streams").
+  StreamSync::JoinOnExit join(channel_->streams());
   if (values_->published() >= count) return;
   flush();
   const auto t0 = Clock::now();
@@ -379,6 +382,7 @@ void PythonRunner::wait_for_graph(int64_t count) {
 void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   if (!holder.defined() || !value.defined() || holder.unsafeGetTensorImpl() == value.unsafeGetTensorImpl()) return;
   ++stats_.materialized;
+  if (value.has_storage()) channel_->streams().reader_uses(value.storage().data_ptr());  // Python's stream reads it now
   auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
   if (ph != nullptr && !ph->is_bound()) {
     ph->bind(value);  // (copies through without_broadcast when the placeholder is expanded)
