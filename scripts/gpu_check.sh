@@ -17,6 +17,8 @@
 #            and such a _C segfaults at its first std::ostream use (two copies of libstdc++'s
 #            locale machinery in one process)
 #   import   import terra_torch; _C.profile.with_cuda; the device header
+#   coexec   scripts/gpu_coexec_check.py: co-execution vs eager on CUDA (MLP, CNN; default and side
+#            stream), the graph on a pool stream of its own; writes OUT_DIR/gpu_coexec_check.json
 #   selector the selection policy through _C with the scripted provider (profile, save, reload);
 #            if it crashes, a cuda-gdb backtrace, and the steps that need it are skipped
 #   kernels  terra's cuDNN kernels against PyTorch's on small convolutions (2-d, strided and
@@ -170,6 +172,11 @@ print("terra_torch", terra_torch.__version__, "from", terra_torch.__file__)
 assert _C.profile.with_cuda, "_C built without CUDA"
 print("header", tp.cuda_header())
 '
+
+# ---- coexec ---------------------------------------------------------------------------------
+# Co-execution on CUDA: eager vs terra_torch.wrap on an MLP and a CNN, on the default stream and a
+# side stream; the graph must run on a pool stream of its own (docs/RUNTIME.md, "Streams").
+step coexec 150 "$PY" scripts/gpu_coexec_check.py "$OUT_DIR/gpu_coexec_check.json"
 
 # ---- selector -------------------------------------------------------------------------------
 # The selection policy through this build's _C with the scripted provider (no GPU work): profile,

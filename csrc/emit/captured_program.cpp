@@ -5,6 +5,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/UndefinedTensorImpl.h>
 
+#include <algorithm>
 #include <string>
 
 #include <ATen/core/enum_tag.h>
@@ -140,10 +141,15 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
   trace::Trace t = translate(captured);
   trace::MergeResult merged = graph_.merge(t);
   infos_.resize(graph_.num_nodes());
+  auto note_device = [&](const c10::Device& d) {
+    if (!d.is_cpu() && std::find(devices_.begin(), devices_.end(), d) == devices_.end()) devices_.push_back(d);
+  };
+  for (const capture::ExternalInput& e : captured.externals) note_device(e.meta.device);
   for (size_t i = 0; i < captured.ops.size(); ++i) {
     std::optional<OpInfo>& slot = infos_[merged.record_nodes[i]];
     const capture::OpRecord& rec = captured.ops[i];
     if (rec.checked) add_check(capture::check_key(rec.location, rec.op));
+    for (const capture::TensorMeta& out : rec.outputs) note_device(out.device);
     if (slot) {
       for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a)
         if (slot->attributes[a].isDouble() && rec.attributes[a].isDouble() &&

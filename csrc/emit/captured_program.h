@@ -65,6 +65,9 @@ class CapturedProgram {
   const std::vector<trace::NodeId>& record_nodes(uint32_t i) const { return record_nodes_[i]; }
   const std::vector<trace::Trace>& traces() const { return traces_; }
   const std::vector<std::vector<trace::NodeId>>& all_record_nodes() const { return record_nodes_; }
+  // Every device other than the CPU that a tensor of the merged traces lived on, in first-seen
+  // order: the runtime picks the stream the graph runs on from it.
+  const std::vector<c10::Device>& devices() const { return devices_; }
   // nullptr for start, end and loop nodes.
   const OpInfo* info(trace::NodeId n) const {
     return n < infos_.size() && infos_[n] ? &*infos_[n] : nullptr;
@@ -110,6 +113,7 @@ class CapturedProgram {
   std::vector<trace::Trace> traces_;
   std::vector<std::vector<trace::NodeId>> record_nodes_;
   std::vector<std::optional<OpInfo>> infos_;
+  std::vector<c10::Device> devices_;
   std::unordered_map<const void*, uint32_t> feed_ids_;
   std::unordered_set<uint64_t> flattened_;
   std::unordered_set<uint64_t> checks_;

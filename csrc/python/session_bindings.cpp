@@ -43,6 +43,9 @@ py::dict session_stats(Session& s) {
   d["graph_stall_ns"] = c.graph_stall_ns;
   d["decisions"] = c.decisions;
   d["feeds"] = c.feeds;
+  // The stream the graph runs on (id 0 and no device: no stream policy, e.g. a CPU program).
+  d["graph_stream_id"] = c.worker_stream ? c.worker_stream->id() : 0;
+  d["graph_stream_device"] = c.worker_stream ? c.worker_stream->device().str() : std::string();
   d["table_size"] = s.runner().table_size();
   return d;
 }

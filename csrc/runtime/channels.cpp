@@ -40,6 +40,7 @@ void ConcurrentChannel::throw_cancelled(const char* side) const {
 // ---- graph side -------------------------------------------------------------------------------
 
 int64_t ConcurrentChannel::take_decision(int64_t site) {
+  StreamMark mark;  // a gate's; released after the lock, like tensors
   std::unique_lock lock(mu_);
   if (cancelled_) throw_cancelled("graph");
   auto& q = decisions_[site];
@@ -57,6 +58,15 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
   const int64_t v = q.front();
   q.pop_front();
   ++stats_.decisions;
+  if (streams_.active() && is_gate(site)) {
+    auto& marks = gate_marks_[site];
+    if (!marks.empty()) {
+      mark = std::move(marks.front());
+      marks.pop_front();
+    }
+    lock.unlock();
+    streams_.worker_waits(mark);
+  }
   return v;
 }
 
@@ -84,7 +94,13 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
   ++stats_.feeds;
   std::shared_ptr<ValueTable> values = values_;
   lock.unlock();
-  if (fed.index < 0) return std::move(fed.tensor);
+  if (fed.index < 0) {
+    if (streams_.active() && fed.tensor.defined() && fed.tensor.has_storage()) {
+      streams_.worker_waits(fed.mark);
+      streams_.worker_uses(fed.tensor.storage().data_ptr());
+    }
+    return std::move(fed.tensor);
+  }
   // An earlier iteration computed it, so it is in the table while the placeholder lives.
   std::optional<at::Tensor> v = values ? values->take(fed.index) : std::nullopt;
   if (!v || !v->defined())
@@ -112,8 +128,18 @@ void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
   values_ = std::move(values);
 }
 
+StreamMark ConcurrentChannel::mark_for(const std::vector<Post>& posts) const {
+  if (!streams_.active()) return nullptr;
+  for (const Post& p : posts) {
+    const bool device_feed = p.kind == Post::Kind::kFeed && p.tensor.defined() && streams_.covers(p.tensor.device());
+    if (device_feed || (p.kind == Post::Kind::kDecision && is_gate(p.key))) return streams_.mark_poster();
+  }
+  return nullptr;
+}
+
 void ConcurrentChannel::post_batch(std::vector<Post>& posts) {
   if (posts.empty()) return;
+  const StreamMark mark = mark_for(posts);  // one event covers the batch
   {
     std::lock_guard lock(mu_);
     if (cancelled_) throw_cancelled("Python side");
@@ -121,12 +147,13 @@ void ConcurrentChannel::post_batch(std::vector<Post>& posts) {
       switch (p.kind) {
         case Post::Kind::kDecision:
           decisions_[p.key].push_back(p.value);
+          if (mark && is_gate(p.key)) gate_marks_[p.key].push_back(mark);
           break;
         case Post::Kind::kFeed:
-          feeds_[p.key].push_back(Fed{std::move(p.tensor), -1});
+          feeds_[p.key].push_back(Fed{std::move(p.tensor), -1, mark});
           break;
-        case Post::Kind::kDeferredFeed:
-          feeds_[p.key].push_back(Fed{std::move(p.tensor), p.value});
+        case Post::Kind::kDeferredFeed:  // the graph's own value: on its stream already
+          feeds_[p.key].push_back(Fed{std::move(p.tensor), p.value, nullptr});
           break;
       }
     }
@@ -156,10 +183,12 @@ void ConcurrentChannel::fetch(int64_t slot, const at::Tensor& value) {
 // ---- Python side ------------------------------------------------------------------------------
 
 void ConcurrentChannel::post_decision(int64_t site, int64_t value) {
+  const StreamMark mark = is_gate(site) ? streams_.mark_poster() : nullptr;
   {
     std::lock_guard lock(mu_);
     if (cancelled_) throw_cancelled("Python side");
     decisions_[site].push_back(value);
+    if (mark) gate_marks_[site].push_back(mark);
   }
   graph_cv_.notify_all();
 }
@@ -169,10 +198,11 @@ void ConcurrentChannel::post_loop(int64_t site, bool again) {
 }
 
 void ConcurrentChannel::post_feed(int64_t slot, at::Tensor value) {
+  const StreamMark mark = value.defined() && streams_.covers(value.device()) ? streams_.mark_poster() : nullptr;
   {
     std::lock_guard lock(mu_);
     if (cancelled_) throw_cancelled("Python side");
-    feeds_[slot].push_back(Fed{std::move(value), -1});
+    feeds_[slot].push_back(Fed{std::move(value), -1, mark});
   }
   graph_cv_.notify_all();
 }
@@ -223,10 +253,12 @@ void ConcurrentChannel::reset() {
   std::unordered_map<int64_t, std::deque<int64_t>> decisions;
   std::unordered_map<int64_t, std::deque<Fed>> feeds;
   std::unordered_map<int64_t, std::deque<at::Tensor>> fetched;
+  std::unordered_map<int64_t, std::deque<StreamMark>> gate_marks;
   {
     std::lock_guard lock(mu_);
     decisions.swap(decisions_);
     feeds.swap(feeds_);
+    gate_marks.swap(gate_marks_);
     fetched.swap(fetched_);
     cancelled_ = false;
     reason_.clear();
@@ -274,7 +306,9 @@ bool ConcurrentChannel::graph_stuck() const {
 
 ChannelStats ConcurrentChannel::stats() const {
   std::lock_guard lock(mu_);
-  return stats_;
+  ChannelStats out = stats_;
+  if (streams_.active()) out.worker_stream = streams_.worker_stream();
+  return out;
 }
 
 }  // namespace terra::runtime

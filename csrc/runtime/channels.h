@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "emit/channel.h"
+#include "runtime/stream_sync.h"
 
 namespace terra::runtime {
 
@@ -43,6 +44,8 @@ struct ChannelStats {
   int64_t decisions = 0;        // consumed by the graph
   int64_t feeds = 0;            // consumed by the graph
   int64_t fetches = 0;          // published by the graph
+  // The stream the graph runs on while events order it with Python's (none: CPU, or no policy).
+  std::optional<c10::Stream> worker_stream;
 };
 
 // What the graph thread is blocked on right now (for tests and diagnostics).
@@ -87,6 +90,10 @@ class ConcurrentChannel final : public emit::ChannelSource {
     at::Tensor tensor;
   };
   void post_batch(std::vector<Post>& posts);
+  // How the graph's stream and Python's are ordered (stream_sync.h). Set before the graph runs
+  // or Python posts, never changed afterwards: both threads read it without the lock.
+  void use_streams(StreamSync streams) { streams_ = std::move(streams); }
+  const StreamSync& streams() const { return streams_; }
   // The value table behind publish and deferred feeds; waiters on it are woken whenever the
   // graph blocks here, so that they can tell "not yet" from "never".
   void attach_values(std::shared_ptr<ValueTable> values);
@@ -123,8 +130,16 @@ class ConcurrentChannel final : public emit::ChannelSource {
   struct Fed {
     at::Tensor tensor;
     int64_t index = -1;  // >= 0: the value table's entry (tensor is the placeholder to keep)
+    StreamMark mark;     // what the worker stream waits for before it reads the tensor
   };
+  // The poster's mark when what it posts needs one (a feed on the worker's device, a gate).
+  StreamMark mark_for(const std::vector<Post>& posts) const;
+  static bool is_gate(int64_t key) { return key >= kGateKeyBase && key < kScalarKeyBase; }
   std::unordered_map<int64_t, std::deque<Fed>> feeds_;
+  // Beside each gate token while streams_ is active: the graph writes what Python may be using
+  // on its own stream only once that stream's earlier work is done.
+  std::unordered_map<int64_t, std::deque<StreamMark>> gate_marks_;
+  StreamSync streams_;
   std::shared_ptr<ValueTable> values_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> fetched_;
   bool cancelled_ = false;

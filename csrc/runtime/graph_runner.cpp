@@ -66,12 +66,13 @@ struct GraphRunner::State {
   int64_t finished = 0;             // iterations with an outcome
   int64_t waited = 0;               // outcomes consumed by wait_iteration / synchronize
   std::deque<std::exception_ptr> outcomes;  // iterations waited..finished-1; null = success
+  std::deque<StreamMark> marks;             // iterations finished..started-1: Python's stream then
   bool stopping = false;
   RunnerStats stats;
   std::deque<std::pair<int64_t, int64_t>> spans;  // for timelines
 
   // One graph run on the worker thread; returns its error or null.
-  std::exception_ptr run_once(int64_t it) {
+  std::exception_ptr run_once(int64_t it, const StreamMark& mark) {
     try {
       // The worker was created without terra's key; a graph run that got intercepted would be
       // recorded as a trace instead of computing, so refuse rather than guess.
@@ -85,6 +86,10 @@ struct GraphRunner::State {
       // report a saved tensor as modified.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       emit::ChannelScope scope(channel.get());
+      // The graph's kernels go to its own stream, after what Python's stream had been given when
+      // the iteration started (docs/RUNTIME.md, "Streams").
+      StreamSync::WorkerScope on_stream(channel->streams());
+      channel->streams().worker_waits(mark);
       executor->run({});
       return nullptr;
     } catch (const abi::__forced_unwind&) {
@@ -130,13 +135,17 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
         ++s->stats.iterations_failed;
       }
       s->finished = s->started;
+      s->marks.clear();
       s->done_cv.notify_all();
       return;
     }
     const int64_t it = s->finished;
+    StreamMark mark = std::move(s->marks.front());
+    s->marks.pop_front();
     lock.unlock();
     const auto t0 = Clock::now();
-    std::exception_ptr error = s->run_once(it);
+    std::exception_ptr error = s->run_once(it, mark);
+    mark.reset();
     const int64_t dt = ns_since(t0);
     lock.lock();
     s->stats.exec_ns += dt;
@@ -152,9 +161,11 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
 
 int64_t GraphRunner::start_iteration() {
   int64_t it = 0;
+  StreamMark mark = channel_->streams().mark_poster();
   {
     std::lock_guard lock(state_->mu);
     if (state_->stopping) throw std::logic_error("terra_torch: start_iteration() after the GraphRunner was shut down");
+    state_->marks.push_back(std::move(mark));
     it = state_->started++;
     ++state_->stats.iterations_started;
   }
@@ -176,6 +187,7 @@ bool GraphRunner::wait_iteration(std::chrono::nanoseconds max_wait) {
     s.outcomes.pop_front();
     ++s.waited;
   }
+  channel_->streams().reader_joins();  // the caller's stream goes on after the graph's work
   if (error) std::rethrow_exception(error);
   return true;
 }
@@ -194,6 +206,7 @@ bool GraphRunner::synchronize(std::chrono::nanoseconds max_wait) {
     s.outcomes.clear();
     s.waited = s.finished;
   }
+  channel_->streams().reader_joins();
   if (first) std::rethrow_exception(first);
   return true;
 }

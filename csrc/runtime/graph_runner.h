@@ -9,7 +9,10 @@
 // The worker's thread-local state is set explicitly: grad mode off (the graph already contains
 // the backward ops the program ran, and optimizer steps update leaves in place), no terra
 // interception key in the TLS include set (checked per iteration: the graph must not be
-// recorded), and the ChannelScope of this runner's channel.
+// recorded), and the ChannelScope of this runner's channel. On a device with streams the graph
+// runs on the channel's worker stream (runtime/stream_sync.h): start_iteration() leaves an event
+// on the caller's current stream that the worker stream waits for, and wait_iteration() /
+// synchronize() make the caller's current stream wait for the worker stream.
 #pragma once
 
 #include <chrono>

@@ -99,6 +99,7 @@ PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program&
       values_(std::make_shared<ValueTable>()),
       cursor_(structured) {
   channel_->attach_values(values_);
+  channel_->use_streams(StreamSync::for_devices(program.devices()));
   runner_ = std::make_unique<GraphRunner>(std::make_unique<TorchScriptExecutor>(emitted.graph), channel_);
 }
 
@@ -368,6 +369,8 @@ PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
 // ---- waiting and values ------------------------------------------------------------------------
 
 void PythonRunner::wait_for_graph(int64_t count) {
+  // Python reads after this: its stream must also wait for the graph's (docs/RUNTIME.md, "Streams").
+  StreamSync::JoinOnExit join(channel_->streams());
   if (values_->published() >= count) return;
   flush();
   try {
@@ -473,6 +476,7 @@ void PythonRunner::wait_published(int64_t count) {
 void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   if (!holder.defined() || !value.defined() || holder.unsafeGetTensorImpl() == value.unsafeGetTensorImpl()) return;
   ++stats_.materialized;
+  if (value.has_storage()) channel_->streams().reader_uses(value.storage().data_ptr());  // Python's stream reads it now
   auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
   if (ph != nullptr && !ph->is_bound()) {
     ph->bind(value);  // (copies through without_broadcast when the placeholder is expanded)
