@@ -48,6 +48,9 @@ class ChannelScope {
 
 // Operator names, as they appear in graphs.
 inline constexpr const char* kCaseSelectOp = "terra::case_select";
+// Case-select sites from here on pick among the producers of a selected read (value_flow.h);
+// the ones below are the Program's switches. (The runtime's gate and scalar keys lie above.)
+inline constexpr int64_t kSelectSiteBase = int64_t(1) << 39;
 inline constexpr const char* kLoopCondOp = "terra::loop_cond";
 inline constexpr const char* kFeedOp = "terra::feed";
 inline constexpr const char* kFeedOrNoneOp = "terra::feed_or_none";

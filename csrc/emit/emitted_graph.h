@@ -74,6 +74,14 @@ struct EmittedGraph {
   // Python's input must be the latest output of the latest-run one among them.
   std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>>
       checked_reads;
+  // Selected reads (value_flow.h): per key(node, input) and copy, the case-select site the graph
+  // waits at and the producers it picks among; Python posts the index of the one it read.
+  struct Selection {
+    int64_t site;
+    std::vector<std::pair<trace::NodeId, uint32_t>> producers;
+  };
+  std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, Selection>> selected_reads;
+  size_t num_selections = 0;
   size_t num_scalar_slots = 0;
 
   // -1 when (node, input) has no feed slot.

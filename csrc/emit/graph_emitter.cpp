@@ -163,9 +163,43 @@ class Emitter {
                          [](const trace::Source& s) { return s.kind == trace::Source::Kind::kNode; }) > 1;
   }
 
+  // A selected read: the producer Python read, by its index among the choices.
+  Value* select(NodeId n, uint32_t slot, const std::vector<VarId>& choices) {
+    EmittedGraph::Selection sel{kSelectSiteBase + static_cast<int64_t>(out_.num_selections++), {}};
+    for (const VarId c : choices) sel.producers.push_back(flow_.producers(c).at(0));
+    Value* which = channel_op(case_select_, {int_constant(sel.site)}, c10::IntType::get());
+    Node* resume = g_.insertPoint();  // the chain's Ifs nest in else-blocks; carry on after it
+    out_.selected_reads[EmittedGraph::key(n, slot)][copy_] = std::move(sel);
+    auto value_of = [&](VarId c) { return env_[c] != nullptr ? env_[c] : uninitialized(); };
+    // if which == 0: choice 0 else (if which == 1: choice 1 else ...)
+    Value* picked = value_of(choices.back());
+    Node* outer = nullptr;
+    for (size_t k = 0; k + 1 < choices.size(); ++k) {
+      Value* is_k = g_.insert(c10::Symbol::fromQualString("aten::eq"), {which, int_constant(static_cast<int64_t>(k))});
+      Node* pick = g_.insertNode(g_.create(c10::prim::If, {is_k}, 0));
+      {
+        WithInsertPoint wp(pick->addBlock());
+        pick->blocks()[0]->registerOutput(value_of(choices[k]));
+      }
+      pick->addBlock();
+      Value* out = pick->addOutput()->setType(c10::TensorType::get());
+      if (outer == nullptr) {
+        picked = out;
+      } else {
+        outer->blocks()[1]->registerOutput(out);
+      }
+      outer = pick;
+      g_.setInsertPoint(pick->blocks()[1]);
+    }
+    if (outer != nullptr) outer->blocks()[1]->registerOutput(value_of(choices.back()));
+    g_.setInsertPoint(resume);
+    return picked;
+  }
+
   Value* input(NodeId n, uint32_t slot) {
     const VarId var = flow_.read(n, slot, copy_);
-    if (coexec_ && var != kNoVar && several_producers(n, slot))
+    const std::vector<VarId>* choices = coexec_ && var != kNoVar ? flow_.choices(n, slot, copy_) : nullptr;
+    if (coexec_ && var != kNoVar && several_producers(n, slot) && choices == nullptr)
       out_.checked_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
     if (flow_.fed(n, slot)) {
       const bool optional = optional_feed(n, slot);
@@ -174,13 +208,13 @@ class Emitter {
       if (inserted) out_.feeds.push_back({n, slot, optional});
       Value* s = int_constant(it->second);
       if (!optional) return channel_op(feed_, {s}, c10::TensorType::get());
+      Value* computed = choices != nullptr ? select(n, slot, *choices) : var != kNoVar ? env_[var] : nullptr;
       // Python sends the tensor when this execution read an external one, none when it read the
       // value the graph computed: select between them with an If.
       Value* fed = channel_op(feed_or_none_, {s}, c10::OptionalType::ofTensor());
       Value* none = g_.insertNode(g_.createNone())->output();
       Value* is_none = g_.insert(c10::Symbol::fromQualString("aten::__is__"), {fed, none});
       Node* pick = g_.insertNode(g_.create(c10::prim::If, {is_none}, 0));
-      Value* computed = var != kNoVar ? env_[var] : nullptr;
       {
         WithInsertPoint wp(pick->addBlock());
         pick->blocks()[0]->registerOutput(computed != nullptr ? computed : uninitialized());
@@ -196,6 +230,7 @@ class Emitter {
     // No producer precedes this read in program order: the construct is only reachable on
     // program paths that are not TraceGraph paths (e.g. an unrolled first iteration taking a
     // case that the recorded traces only took in later iterations), which the Cursor rejects.
+    if (choices != nullptr) return select(n, slot, *choices);
     if (env_[var] == nullptr) return uninitialized();
     return env_[var];
   }

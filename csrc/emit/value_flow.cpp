@@ -77,13 +77,22 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
                      std::span<const trace::Trace> traces, std::span<const std::vector<trace::NodeId>> record_nodes) {
   fed_.resize(graph.num_nodes());
   std::unordered_map<Key, std::vector<Item>, KeyHash> seen;
-  for (size_t t = 0; t < traces.size(); ++t) observe(graph, program, traces[t], record_nodes[t], seen);
+  std::vector<std::vector<CopyIndex>> copies(traces.size());
+  for (size_t t = 0; t < traces.size(); ++t) copies[t] = observe(graph, program, traces[t], record_nodes[t], seen);
   CopyIndex copy;
   add_fallbacks(graph, program, program.root, copy, seen);
   for (auto& [key, items] : seen) {
     std::sort(items.begin(), items.end());
     items.erase(std::unique(items.begin(), items.end()), items.end());
     reads_.emplace(key, intern(std::move(items)));
+  }
+  std::unordered_map<Key, bool, KeyHash> selected;
+  for (size_t t = 0; t < traces.size(); ++t) find_selected(traces[t], record_nodes[t], copies[t], selected);
+  for (const auto& [key, yes] : selected) {
+    if (!yes) continue;
+    const std::vector<Item> items = sets_of_.at(reads_.at(key));  // a copy: intern() grows sets_of_
+    std::vector<VarId>& vars = choices_[key];
+    for (const Item& i : items) vars.push_back(intern({i}));
   }
   producers_.resize(num_vars_);
   for (const auto& [items, var] : sets_) {
@@ -96,11 +105,12 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
   }
   set_index_.clear();
   sets_.clear();
+  sets_of_ = {};
 }
 
-void ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& program, const trace::Trace& trace,
-                        const std::vector<trace::NodeId>& nodes,
-                        std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
+std::vector<CopyIndex> ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& program,
+                                          const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
+                                          std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
   const auto trips = trip_indices(trace);
   std::unordered_map<trace::NodeId, std::vector<trace::NodeId>> loops_of;
   std::vector<CopyIndex> copies(trace.ops.size());
@@ -129,6 +139,44 @@ void ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& pr
       seen[Key{n, s, copies[r]}].push_back(Item{nodes[in.index], in.output, copies[in.index], false});
       const auto it = latest.find(Key{nodes[in.index], in.output, copies[in.index]});
       if (it != latest.end() && it->second != in.index) note_stale(program, trace, in.index, static_cast<uint32_t>(r), loops_of.at(nodes[in.index]));
+    }
+    for (uint32_t k = 0; k < trace.ops[r].num_outputs; ++k) latest[Key{n, k, copies[r]}] = static_cast<uint32_t>(r);
+  }
+  return copies;
+}
+
+void ValueFlow::find_selected(const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
+                              const std::vector<CopyIndex>& copies,
+                              std::unordered_map<Key, bool, KeyHash>& selected) const {
+  std::unordered_map<Key, uint32_t, KeyHash> latest;  // producer copy -> record that last wrote it
+  for (size_t r = 0; r < trace.ops.size(); ++r) {
+    const trace::NodeId n = nodes[r];
+    const auto& inputs = trace.ops[r].inputs;
+    for (uint32_t s = 0; s < inputs.size(); ++s) {
+      const trace::ValueRef& in = inputs[s];
+      if (in.kind == trace::ValueRef::Kind::kFeed) continue;
+      const Key key{n, s, copies[r]};
+      auto [mark, fresh] = selected.try_emplace(key, false);
+      if (mark->second) continue;
+      const std::vector<Item>& items = sets_of_.at(reads_.at(key));
+      if (items.size() < 2) continue;
+      // Python names the producer it read by node and output: copies of one node cannot be told apart.
+      bool distinct = true;
+      for (size_t i = 1; i < items.size() && distinct; ++i)
+        distinct = !(items[i].node == items[i - 1].node && items[i].output == items[i - 1].output) && !items[i].any &&
+                   !items[i - 1].any;
+      if (!distinct) continue;
+      const Item read{nodes[in.index], in.output, copies[in.index], false};
+      int64_t best = -1;
+      const Item* last = nullptr;
+      for (const Item& i : items) {
+        const auto it = latest.find(Key{i.node, i.output, i.copy});
+        if (it != latest.end() && static_cast<int64_t>(it->second) > best) {
+          best = it->second;
+          last = &i;
+        }
+      }
+      if (last != nullptr && !(*last == read)) mark->second = true;
     }
     for (uint32_t k = 0; k < trace.ops[r].num_outputs; ++k) latest[Key{n, k, copies[r]}] = static_cast<uint32_t>(r);
   }
@@ -187,6 +235,7 @@ VarId ValueFlow::intern(std::vector<Item> set) {
   for (const uint32_t e : bucket)
     if (sets_[e].first == set) return sets_[e].second;
   const VarId v = num_vars_++;
+  sets_of_.push_back(set);
   for (const Item& i : set) {
     if (i.any) writes_any_[pair_key(i.node, i.output)].push_back(v);
     else writes_[Key{i.node, i.output, i.copy}].push_back(v);

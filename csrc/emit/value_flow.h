@@ -20,6 +20,13 @@
 // emitter's caller flattens those loops (CapturedProgram::flatten), which turns each iteration
 // into its own copy of the body, with a switch where the trip count varies.
 //
+// "Whichever ran last" is not always the one read: two producers of a set can both run on a path
+// that reads the earlier one (the optimizer's loop over parameters reads parameter k's gradient
+// at position i, and which parameter sits at position i depends on which experts ran; autograd
+// accumulates a gradient in place into whichever operand its reference counts allowed). Where a
+// trace shows that, the read is *selected*: each producer also assigns a variable of its own,
+// and the graph picks among them by a decision Python posts (it knows the producer it read).
+//
 // Copies no trace executed (the program allows paths the TraceGraph does not) fall back to the
 // node-level producer set of the TraceGraph with "any copy". Slots that saw external tensors are
 // fed from Python: always (only feeds seen) or when Python says so (feed_or_none).
@@ -58,6 +65,12 @@ class ValueFlow {
   uint32_t num_vars() const { return num_vars_; }
   // The producers (node, output) that can assign `var`; empty when one of them is "any copy".
   const std::vector<std::pair<trace::NodeId, uint32_t>>& producers(VarId var) const { return producers_.at(var); }
+  // A selected read: the variable of each producer it may read, in the order of
+  // producers(choice); nullptr for reads of "whichever ran last".
+  const std::vector<VarId>* choices(trace::NodeId node, uint32_t slot, const CopyIndex& copy) const {
+    const auto it = choices_.find(Key{node, slot, copy});
+    return it == choices_.end() ? nullptr : &it->second;
+  }
   // Loop ids (LoopFrame::loop_id) of prim::Loop loops some trace read a stale iteration of.
   const std::vector<uint64_t>& stale_loops() const { return stale_loops_; }
 
@@ -82,9 +95,13 @@ class ValueFlow {
     }
   };
 
-  void observe(const trace::TraceGraph& graph, const trace::Program& program, const trace::Trace& trace,
-               const std::vector<trace::NodeId>& nodes,
-               std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
+  // Returns the copy of every record.
+  std::vector<CopyIndex> observe(const trace::TraceGraph& graph, const trace::Program& program,
+                                 const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
+                                 std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
+  // Marks the reads of `trace` whose producer is not the last-run member of their set.
+  void find_selected(const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
+                     const std::vector<CopyIndex>& copies, std::unordered_map<Key, bool, KeyHash>& selected) const;
   void note_stale(const trace::Program& program, const trace::Trace& trace, uint32_t producer, uint32_t consumer,
                   const std::vector<trace::NodeId>& loops);
   void add_fallbacks(const trace::TraceGraph& graph, const trace::Program& program, trace::ProgId p,
@@ -92,10 +109,12 @@ class ValueFlow {
   VarId intern(std::vector<Item> set);
 
   std::unordered_map<Key, VarId, KeyHash> reads_;
+  std::unordered_map<Key, std::vector<VarId>, KeyHash> choices_;
   std::unordered_map<Key, std::vector<VarId>, KeyHash> writes_;      // exact producer copies
   std::unordered_map<uint64_t, std::vector<VarId>> writes_any_;      // (node, output) -> vars
   std::vector<std::vector<bool>> fed_;                                // [node][slot]
   std::vector<std::pair<std::vector<Item>, VarId>> sets_;             // for interning
+  std::vector<std::vector<Item>> sets_of_;                            // per variable, while building
   std::unordered_map<uint64_t, std::vector<uint32_t>> set_index_;    // set hash -> sets_ entries
   uint32_t num_vars_ = 0;
   std::vector<std::vector<std::pair<trace::NodeId, uint32_t>>> producers_;  // per variable

@@ -47,6 +47,11 @@ py::dict session_stats(Session& s) {
   d["graph_stream_id"] = c.worker_stream ? c.worker_stream->id() : 0;
   d["graph_stream_device"] = c.worker_stream ? c.worker_stream->device().str() : std::string();
   d["table_size"] = s.runner().table_size();
+  if (const emit::EmittedGraph* e = s.emitted()) {
+    // Reads where the graph picks the producer Python read, and ops checked before it runs them.
+    d["selected_reads"] = e->num_selections;
+    d["checked_ops"] = e->gated_checks.size();
+  }
   return d;
 }
 

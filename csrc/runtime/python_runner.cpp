@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Exceptions.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -187,7 +188,9 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       if (emit::is_none_input(region.trace(), in)) continue;
       const uint32_t s = slot++;
       const int64_t fslot = emitted_.feed_slot(node, s);
+      const emit::EmittedGraph::Selection* selection = selection_at(node, s);
       if (in.value.is_external()) {
+        if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
         const at::Tensor& t = region.external_tensors().at(in.value.external);
         if (fslot < 0)
           return diverge(op_name(rec) + " reads a tensor from outside the iteration where the graph reads a value it computes",
@@ -211,10 +214,29 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                  src.output == static_cast<uint32_t>(in.value.output);
       if (!known)
         return diverge(op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
-      if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
+      if (selection != nullptr) {
+        // The graph picks the producer Python read.
+        const auto& ps = selection->producers;
+        const auto it = std::find(ps.begin(), ps.end(), std::make_pair(producer, static_cast<uint32_t>(in.value.output)));
+        if (it == ps.end())
+          return diverge(op_name(rec) + " reads a value produced by another op than the ones the graph picks among there",
+                         index);
+        plan_.push_back(decision(selection->site, it - ps.begin()));
+      } else if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
         const auto producers = candidates(checked->second, gnode.inputs.at(s));
-        if (producers.empty() || !latest_is(producers, argument_tensor(args, in)))
+        if (producers.empty() || !latest_is(producers, argument_tensor(args, in))) {
+          if (getenv("TERRA_DBG")) {
+            fprintf(stderr, "DBG node %u slot %u producer %u.%d copy[", node, s, producer, in.value.output);
+            for (auto c : copy_) fprintf(stderr, "%u,", c);
+            fprintf(stderr, "] candidates:");
+            for (auto& [pn, po] : producers) { auto it = latest_seq_.find(emit::EmittedGraph::publish_tag(pn, po)); fprintf(stderr, " %u.%u(seq %ld)", pn, po, it == latest_seq_.end() ? -1L : (long)it->second); }
+            auto it = latest_seq_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
+            fprintf(stderr, " | actual producer seq %ld; sources:", it == latest_seq_.end() ? -1L : (long)it->second);
+            for (const trace::Source& src : gnode.inputs.at(s)) fprintf(stderr, " %u.%u", src.id, src.output);
+            fprintf(stderr, "\n");
+          }
           return diverge(op_name(rec) + " reads another value than the one the graph reads there", index);
+        }
       }
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
@@ -526,6 +548,15 @@ std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
   for (const trace::Source& src : sources)
     if (src.kind == trace::Source::Kind::kNode) all.emplace_back(src.id, src.output);
   return all;
+}
+
+const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot) {
+  if (emitted_.selected_reads.empty()) return nullptr;
+  const auto it = emitted_.selected_reads.find(emit::EmittedGraph::key(node, slot));
+  if (it == emitted_.selected_reads.end()) return nullptr;
+  cursor_.copy_index(copy_);
+  const auto c = it->second.find(copy_);
+  return c == it->second.end() ? nullptr : &c->second;
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {

@@ -131,6 +131,8 @@ class PythonRunner final : public capture::CoExecHook {
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
+  // The selection the graph makes at input `slot` of `node` for the cursor's copy, if any.
+  const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot);
   bool latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers, const at::Tensor& t) const;
   std::vector<std::pair<trace::NodeId, uint32_t>> candidates(
       const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,

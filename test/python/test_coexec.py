@@ -170,6 +170,43 @@ def test_c_generator_schedule():
     check(make, step, max_fallbacks=3)
 
 
+# (c) continued: a generator picks which experts run, so the optimizer's loop over the parameters
+# with a gradient sees a different parameter at each position from one iteration to the next. Both
+# experts' gradients exist when the update at a position reads one of them: "the producer that
+# ran last" is the wrong one, and the graph must pick the producer Python read (a selected read).
+def test_c_rotating_experts_optimizer_reads_the_gradient_python_read():
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(8, 12)
+            self.experts = nn.ModuleList(nn.Linear(12, 12) for _ in range(4))
+            self.head = nn.Linear(12, 1)
+            self.calls = 0
+
+        def route(self):
+            first = self.calls % 4
+            yield self.experts[first]
+            yield self.experts[(first + 1) % 4]
+
+        def forward(self, x):
+            self.calls += 1
+            h = torch.relu(self.stem(x))
+            for expert in self.route():
+                h = h + torch.relu(expert(h))
+            return self.head(h)
+
+    def make():
+        m = Routed()
+        return m, sgd(m), {}
+
+    def step(model, opt, i, log, state):
+        log.append(float(plain_step(model, opt, *data(i))))
+
+    r = check(make, step, max_fallbacks=3)
+    assert r.stats.iterations["coexec"] >= STEPS - 12, r.stats
+    assert r.stats.runner["selected_reads"] >= 1, r.stats.runner
+
+
 # (d) try/except around a tensor op that raises on some iterations
 def test_d_try_except():
     def make():
@@ -677,8 +714,8 @@ def test_placeholder_read_from_another_thread_gets_the_value():
 
 def test_rotating_experts_match_eager():
     # Which expert runs at which position changes every step: inside the optimizer's unrolled
-    # loop, copy i of an update reads whichever of several gradients ran last, so the
-    # PythonRunner checks, per copy, that Python's input is that one (else: a fallback).
+    # loop, copy i of an update reads one of several gradients, not always the one that ran
+    # last, so the graph picks the one Python read (a selected read) instead of falling back.
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
@@ -707,7 +744,8 @@ def test_rotating_experts_match_eager():
             losses.append(loss.item())
         if terra:
             terra_torch.synchronize()
-            assert terra_torch.stats(net).iterations["coexec"] > 0
+            stats = terra_torch.stats(net)
+            assert stats.iterations["coexec"] >= 30 and stats.fallbacks <= 3, stats
             terra_torch.unwrap(net)
         return losses, [p.detach().clone() for p in net.parameters()]
 
