@@ -224,19 +224,8 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
         plan_.push_back(decision(selection->site, it - ps.begin()));
       } else if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
         const auto producers = candidates(checked->second, gnode.inputs.at(s));
-        if (producers.empty() || !latest_is(producers, argument_tensor(args, in))) {
-          if (getenv("TERRA_DBG")) {
-            fprintf(stderr, "DBG node %u slot %u producer %u.%d copy[", node, s, producer, in.value.output);
-            for (auto c : copy_) fprintf(stderr, "%u,", c);
-            fprintf(stderr, "] candidates:");
-            for (auto& [pn, po] : producers) { auto it = latest_seq_.find(emit::EmittedGraph::publish_tag(pn, po)); fprintf(stderr, " %u.%u(seq %ld)", pn, po, it == latest_seq_.end() ? -1L : (long)it->second); }
-            auto it = latest_seq_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
-            fprintf(stderr, " | actual producer seq %ld; sources:", it == latest_seq_.end() ? -1L : (long)it->second);
-            for (const trace::Source& src : gnode.inputs.at(s)) fprintf(stderr, " %u.%u", src.id, src.output);
-            fprintf(stderr, "\n");
-          }
+        if (producers.empty() || !latest_is(producers, argument_tensor(args, in)))
           return diverge(op_name(rec) + " reads another value than the one the graph reads there", index);
-        }
       }
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
