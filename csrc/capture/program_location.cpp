@@ -1,6 +1,7 @@
 #include "capture/program_location.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <memory>
 #include <tuple>
@@ -32,6 +33,7 @@ LoopRangeCache& loop_range_cache() {
 
 LocationTracker::LocationTracker(PyFrameObject* stop_frame) : stop_frame_(stop_frame) {
   Py_XINCREF(stop_frame_);
+  if (stop_frame_ != nullptr) anchor_ = PyFrame_GetBack(stop_frame_);  // new reference (or null)
   auto& cache = loop_range_cache();
   if (cache.finder == nullptr) {
     PyObject* mod = PyImport_ImportModule("terra_torch._locations");
@@ -43,7 +45,8 @@ LocationTracker::LocationTracker(PyFrameObject* stop_frame) : stop_frame_(stop_f
 }
 
 LocationTracker::~LocationTracker() {
-  Py_XDECREF(stop_frame_);  // destroyed with the GIL held (regions end from Python)
+  Py_XDECREF(stop_frame_);
+  Py_XDECREF(anchor_);  // destroyed with the GIL held (regions end from Python)
 }
 
 namespace {
@@ -117,9 +120,11 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* 
   scratch_.clear();
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
+  guard_depth_ = SIZE_MAX;
   while (frame != nullptr && frame != stop_frame_) {
     PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
     scratch_.push_back({code, PyFrame_GetLasti(frame)});
+    if (frame == anchor_ && guard_depth_ == SIZE_MAX) guard_depth_ = scratch_.size();
     Py_DECREF(code);  // code objects outlive their frames; the cache below pins the ones we keep
     PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
     Py_DECREF(frame);
@@ -158,10 +163,17 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* 
   auto [interned, inserted] = frames_.try_emplace(id);
   if (inserted) {
     interned->frames = scratch_;
-    interned->guarded = outer_guarded();
-    for (const FrameRef& f : scratch_)  // (code_facts also pins each code object)
-      for (const auto& [start, end] : code_facts(f.code).guarded)
-        interned->guarded |= f.lasti >= start && f.lasti < end;
+    // Frames from the innermost out to the anchor, if the walk met it; the stop frame's own
+    // guard otherwise (outer_guarded). scratch_ runs outermost first.
+    const bool met_anchor = guard_depth_ != SIZE_MAX;
+    interned->guarded = !met_anchor && outer_guarded();
+    const size_t first = met_anchor ? scratch_.size() - guard_depth_ : 0;
+    for (size_t d = 0; d < scratch_.size(); ++d) {
+      const FrameRef& f = scratch_[d];
+      const auto& facts = code_facts(f.code);  // (also pins each code object)
+      if (d < first) continue;
+      for (const auto& [start, end] : facts.guarded) interned->guarded |= f.lasti >= start && f.lasti < end;
+    }
   }
   if (guarded) *guarded = interned->guarded;
   return id;

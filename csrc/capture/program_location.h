@@ -93,6 +93,11 @@ class LocationTracker {
   bool outer_guarded();
 
   PyFrameObject* stop_frame_;
+  // The stop frame's caller (the training loop, for terra_torch.wrap). Ops the program issues
+  // after the stop frame returned (the next step's, before its model call) have a stack without
+  // the stop frame: their guard is looked for up to this frame, not in the frames above it.
+  PyFrameObject* anchor_ = nullptr;
+  size_t guard_depth_ = 0;  // this capture: how many frames (innermost first) count for guards
   // Whether an except clause of the stop frame covers the call that entered the region: the
   // frame is suspended in that call while the region is open, so it is asked once.
   std::optional<bool> outer_guarded_;

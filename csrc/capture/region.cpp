@@ -274,7 +274,8 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   bool guarded = false;
   rec.location = locate(rec, index, node.get(), has_python, &guarded);
   if (has_python) PyGILState_Release(gil);
-  rec.checked = guarded && checks_argument_values(op);
+  // (Ops that draw random numbers are never run ahead of the graph: that would draw twice.)
+  rec.checked = guarded && checks_argument_values(op) && !op.hasTag(at::Tag::nondeterministic_seeded);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 
@@ -356,7 +357,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     record_outputs(op, rec, index, stack, !diverged);
     return true;
   }
-  if (rec.checked || hook_->check_first(rec)) {
+  if (rec.checked || (hook_->check_first(rec) && !op.hasTag(at::Tag::nondeterministic_seeded))) {
     check_first(op, ks, rec, index, args);  // returns only if the op would not raise
   }
   size_t num_outputs = 0;

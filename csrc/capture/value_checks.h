@@ -1,7 +1,8 @@
 // Ops whose kernels check the *values* of their tensor arguments and raise on bad data: an index
 // out of range (embedding, gather, index_put_), a class target out of range (nll_loss), a
-// probability outside [0, 1] (bernoulli, binary_cross_entropy), a matrix that is not positive
-// definite (cholesky). A placeholder's shape inference cannot see these errors, so in
+// probability outside [0, 1] (binary_cross_entropy), a matrix that is not positive definite
+// (cholesky). Ops that draw random numbers (bernoulli, multinomial) are left out: checking one
+// first would run it, and draw, twice. A placeholder's shape inference cannot see these errors, so in
 // co-execution they would only surface on the graph's thread, after Python had gone on. Where
 // the program catches what such an op raises (an except clause around it), co-execution checks
 // the arguments before the graph may run the op (docs/RUNTIME.md, "Errors only the data can

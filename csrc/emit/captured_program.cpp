@@ -151,10 +151,14 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
     if (rec.checked) add_check(capture::check_key(rec.location, rec.op));
     for (const capture::TensorMeta& out : rec.outputs) note_device(out.device);
     if (slot) {
-      for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a)
-        if (slot->attributes[a].isDouble() && rec.attributes[a].isDouble() &&
-            slot->attributes[a].toDouble() != rec.attributes[a].toDouble())
+      for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a) {
+        const c10::IValue& was = slot->attributes[a];
+        const c10::IValue& now = rec.attributes[a];
+        if (was.isDouble() && now.isDouble() && was.toDouble() != now.toDouble()) slot->varying[a] = true;
+        if (was.isGenerator() && now.isGenerator() &&
+            was.toGenerator().unsafeGetGeneratorImpl() != now.toGenerator().unsafeGetGeneratorImpl())
           slot->varying[a] = true;
+      }
       continue;
     }
     OpInfo info{rec.op, std::vector<c10::IValue>(rec.attributes.begin(), rec.attributes.end()), {}, static_cast<uint32_t>(rec.outputs.size())};

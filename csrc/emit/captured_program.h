@@ -40,7 +40,8 @@ struct OpInfo {
   std::vector<TensorArg> tensor_args;   // per input slot of the node
   uint32_t num_outputs = 0;             // tensor outputs, lists flattened
   // Per attribute: a Python float whose value differed between the records merged into this
-  // node (the graph feeds it instead of baking it in).
+  // node (the graph feeds it instead of baking it in), or a torch.Generator that was another
+  // object (the graph cannot draw from it).
   std::vector<bool> varying;
 };
 

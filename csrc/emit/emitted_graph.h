@@ -68,6 +68,9 @@ struct EmittedGraph {
     double constant;
   };
   std::unordered_map<trace::NodeId, std::vector<ScalarUse>> node_scalars;
+  // torch.Generator arguments, baked in as constants: (attribute, the generator's impl). The graph
+  // draws from that object in program order (RNG ops are gated), so Python must pass it again.
+  std::unordered_map<trace::NodeId, std::vector<std::pair<uint32_t, const void*>>> node_generators;
   // Inputs (key(node, input)) that several producers reach in the TraceGraph, with the producers
   // the graph reads there per copy (the trip indices of the enclosing unrolled loops): one, or
   // several of which it reads whichever ran last; an empty list: any of the node's producers.

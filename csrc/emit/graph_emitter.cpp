@@ -327,9 +327,12 @@ class Emitter {
       std::sort(arg_slots.begin(), arg_slots.end());
       switch (k) {
         case TensorKind::kNone:
-          if (attrs.at(next).isGenerator())  // a constant would replay one generator object forever
+          if (attrs.at(next).isGenerator() && info.varying.at(next))
             throw std::runtime_error("terra_torch: cannot generate a graph for " + op_name(info.op) +
-                                     ": it draws from a torch.Generator passed as an argument");
+                                     ": it draws from a different torch.Generator object in different iterations");
+          if (attrs.at(next).isGenerator())  // the object itself: Python checks it passes the same one
+            out_.node_generators[n].emplace_back(static_cast<uint32_t>(next),
+                                                 attrs.at(next).toGenerator().unsafeGetGeneratorImpl());
           out.push_back(attrs.at(next).isDouble() ? scalar(n, info, next) : constant(attrs.at(next)));
           ++next;
           break;

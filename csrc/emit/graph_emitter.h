@@ -47,7 +47,8 @@ struct EmitOptions {
 };
 
 // `structured` must be assign_cases(program.graph()). Throws std::runtime_error for ops it cannot
-// express (an attribute TorchScript has no constant for, such as a Generator; an overload the
+// express (an attribute TorchScript has no constant for, a torch.Generator that is another object
+// in different records; an overload the
 // JIT resolves differently), std::logic_error on internal inconsistencies.
 EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured,
                         const EmitOptions& options = {});

@@ -266,6 +266,16 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
+  if (emitted) {
+    auto generators = emitted_.node_generators.find(node);
+    if (generators != emitted_.node_generators.end()) {
+      for (const auto& [attribute, impl] : generators->second)
+        if (attribute >= rec.attributes.size() || !rec.attributes[attribute].isGenerator() ||
+            rec.attributes[attribute].toGenerator().unsafeGetGeneratorImpl() != impl)
+          return diverge(op_name(rec) + " draws from another torch.Generator than the one the graph draws from", index);
+    }
+  }
+
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
   if (emitted && emitted_.node_gated[node]) post(gate(node));

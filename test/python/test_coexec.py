@@ -604,8 +604,28 @@ def test_stats_report_phases():
     assert st.runner["python_placeholders"] > 0
 
 
+def test_h_explicit_generator_object_is_drawn_from_in_program_order():
+    # One torch.Generator object for the whole run, passed to the RNG ops: the graph draws from
+    # that very object, in the program's order (RNG ops are gated), so the numbers and the
+    # generator's state afterwards are eager's.
+    def make():
+        m = mlp()
+        return m, sgd(m), {"gen": torch.Generator().manual_seed(5)}
+
+    def step(model, opt, i, log, state):
+        x, y = data(i)
+        noise = torch.randn(x.shape, generator=state["gen"]) * 0.1
+        keep = torch.bernoulli(torch.full((4, 1), 0.8), generator=state["gen"])
+        loss = plain_step(model, opt, x + noise, y * keep)
+        if i % 10 == 9:
+            log.append((float(loss), float(torch.rand((), generator=state["gen"]))))
+
+    r = check(make, step, max_fallbacks=1)
+    assert r.stats.iterations["coexec"] >= STEPS - 5, r.stats
+
+
 def test_explicit_generator_runs_eagerly_and_correctly():
-    # A generator object passed to an op cannot be baked into a graph: the program says why
+    # A new generator object every iteration cannot be baked into a graph: the program says why
     # and runs eagerly (correct results, no co-execution).
     def train(terra: bool):
         m, opt = seeded_mlp(terra)
