@@ -24,13 +24,16 @@ dispatcher interceptor stay inside it): build, step 0 alone (compilation: report
 step), `--warmup` untimed repetitions, then `--reps` timed repetitions of N steps (the program's
 quick count unless --steps); reported is the median repetition as steps/s and its ratio to
 eager. Losses are compared with eager's after timing. Results: benchmarks/results/dynamo.json
-and a table on stdout. This parent process never imports torch.
+and a table on stdout. The file keeps a summary of each cell's per-step losses instead of the
+losses (`compact_results`): the comparison with eager is made before writing, and thousands of
+losses per cell made the file megabytes. This parent process never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -213,7 +216,37 @@ def _agreement(result: dict[str, Any], eager: dict[str, Any] | None) -> str:
     return f"max rel {rel:.1e}"
 
 
+def _loss_summary(losses: list[float], eager: dict[str, Any] | None) -> dict[str, Any]:
+    """Enough of a cell's losses to tell runs apart: the hash changes with any bit of any loss, and
+    the first step that differs from eager's says where a disagreement started."""
+    out: dict[str, Any] = {"steps": len(losses), "first": losses[0] if losses else None,
+                           "last": losses[-1] if losses else None,
+                           "sha256": hashlib.sha256(json.dumps(losses).encode()).hexdigest()}
+    if eager and eager.get("status") == "ok":
+        ref = eager["losses"]
+        diff = next((i for i, (x, y) in enumerate(zip(losses, ref)) if x != y), None)
+        if diff is None and len(losses) != len(ref):
+            diff = min(len(losses), len(ref))
+        out["first_difference_with_eager"] = diff
+    return out
+
+
+def compact_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results as saved: each cell's per-step `losses` replaced by `loss_summary`. Needs the
+    eager cells' full losses, so it runs once, on the results as the cells returned them."""
+    by = {(r["program"], r["backend"]): r for r in results}
+    out = []
+    for r in results:
+        r = dict(r)
+        losses = r.pop("losses", None)
+        if losses is not None:
+            r["loss_summary"] = _loss_summary(losses, by.get((r["program"], "eager")))
+        out.append(r)
+    return out
+
+
 def render(results: list[dict[str, Any]], programs: list[str], backends: list[str]) -> str:
+    """The report; reads only what the saved file keeps (`agreement_with_eager`, not the losses)."""
     by = {(r["program"], r["backend"]): r for r in results}
     lines = ["steps/s (ratio to eager); median of the timed repetitions", ""]
     lines.append("| program | " + " | ".join(backends) + " |")
@@ -244,7 +277,7 @@ def render(results: list[dict[str, Any]], programs: list[str], backends: list[st
                 continue
             d = r.get("dynamo", {})
             cells.append(f"{r['first_step_s']:.1f} / {d.get('unique_graphs', 0)} / {d.get('frames_compiled', 0)} / "
-                         f"{_agreement(r, by.get((p, 'eager')))}")
+                         f"{r.get('agreement_with_eager', '-')}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     failures = [r for r in results if r.get("status") != "ok"]
     if failures:
@@ -299,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps, "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
         "threads_per_cell": 1, "wall_s": time.perf_counter() - started,
     }
-    out.write_text(json.dumps({"meta": meta, "table": table, "results": results}, indent=1) + "\n")
+    out.write_text(json.dumps({"meta": meta, "table": table, "results": compact_results(results)}, indent=1) + "\n")
     print(f"\nwritten: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0
 

@@ -1,27 +1,18 @@
 // Python bindings of the co-execution runtime's building blocks (csrc/runtime): the _C.runtime
 // submodule with Channel (ConcurrentChannel), GraphRunner, and Plan, which turns recordings into
 // a graph plus what each recorded iteration must post and will fetch, so that a Python thread
-// can drive the GraphRunner the way the PythonRunner will.
+// can drive the GraphRunner the way the PythonRunner will; and DirectGraph with the deferred
+// runs of overlap mode (runtime/direct_graph.h), which the Dynamo backend drives.
 //
 // GIL rules: every call that can block releases the GIL, and waits run in short slices so that
 // Ctrl-C (PyErr_CheckSignals) and timeouts work. Teardown of a GraphRunner joins its worker with
 // the GIL released; at interpreter exit an atexit hook shuts down every live runner while the
 // interpreter can still hand the GIL to the worker, and a runner destroyed later (during
 // finalization) is abandoned (worker detached) instead of joined.
-#include <ATen/Parallel.h>
-#include <ATen/record_function.h>
-#include <c10/util/thread_name.h>
-#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <exception>
-#include <map>
-#include <mutex>
-#include <thread>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -34,6 +25,7 @@
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/channels.h"
+#include "runtime/direct_graph.h"
 #include "runtime/executor.h"
 #include "runtime/graph_runner.h"
 #include "trace/case_assignment.h"
@@ -47,6 +39,7 @@ namespace {
 
 using capture::Region;
 using runtime::ConcurrentChannel;
+using runtime::DirectGraph;
 using runtime::GraphRunner;
 using Clock = std::chrono::steady_clock;
 
@@ -169,278 +162,6 @@ class Plan {
   emit::EmittedGraph emitted_;
 };
 
-// ---- DirectGraph ------------------------------------------------------------------------------
-
-// A generated graph of one straight-line trace, rewritten so that its feeds are graph inputs
-// and its fetches graph outputs, and run on the calling thread. For a static graph (what a
-// Dynamo backend gets) a channel adds nothing: every call feeds the same slots and reads the
-// same fetches. Outputs leave by reference, so views and shared memory survive, where a fetch
-// would publish a copy (docs/DYNAMO_BACKEND.md, mode "graph").
-class DirectGraph {
- public:
-  // `into_buffers`: fetches become copies into extra inputs (one buffer per fetch slot, after
-  // the feeds) instead of outputs, so that a deferred run can write values Python already holds.
-  DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, const std::string& mode, bool into_buffers)
-      : into_buffers_(into_buffers) {
-    TORCH_CHECK(generated != nullptr, "terra_torch: DirectGraph needs a graph");
-    graph_ = generated->copy();
-    lift_channel_ops();
-    executor_ = std::make_unique<runtime::TorchScriptExecutor>(graph_, parse_executor_mode(mode));
-  }
-
-  bool into_buffers() const { return into_buffers_; }
-  // Runs with inputs already converted (feeds, then buffers); no GIL needed.
-  void run_stack(std::vector<c10::IValue> stack) { executor_->run(std::move(stack)); }
-
-  const std::vector<int64_t>& feed_slots() const { return feed_slots_; }
-  const std::vector<int64_t>& fetch_slots() const { return fetch_slots_; }
-  std::string text() const { return graph_->toString(); }
-
-  // One value per feed slot (in feed_slots order; None for a feed_or_none slot that takes the
-  // graph's own none), one result per fetch slot (fetch_slots order).
-  std::vector<std::optional<at::Tensor>> run(const std::vector<std::optional<at::Tensor>>& inputs) {
-    TORCH_CHECK(inputs.size() == feed_slots_.size(), "terra_torch: DirectGraph takes ", feed_slots_.size(),
-                " inputs, got ", inputs.size());
-    std::vector<c10::IValue> stack;
-    stack.reserve(inputs.size());
-    for (const auto& t : inputs) stack.emplace_back(t ? c10::IValue(*t) : c10::IValue());
-    std::vector<c10::IValue> results;
-    {
-      // Ops may run long; a tensor dying in the graph may need the GIL to free its PyObject.
-      py::gil_scoped_release no_gil;
-      results = executor_->run(std::move(stack));
-    }
-    std::vector<std::optional<at::Tensor>> out;
-    out.reserve(results.size());
-    for (auto& v : results) out.push_back(v.isTensor() ? std::optional<at::Tensor>(std::move(v).toTensor()) : std::nullopt);
-    return out;
-  }
-
- private:
-  static runtime::TorchScriptMode parse_executor_mode(const std::string& mode);
-
-  // Feeds and fetches inside a prim::If or prim::Loop run a data-dependent number of times:
-  // they cannot become inputs or outputs, and such a graph is not a static one.
-  static void refuse_nested(torch::jit::Block* block, bool nested) {
-    for (torch::jit::Node* n : block->nodes()) {
-      const std::string kind = n->kind().toQualString();
-      TORCH_CHECK(!nested || (kind != emit::kFeedOp && kind != emit::kFeedOrNoneOp && kind != emit::kFetchOp),
-                  "terra_torch: DirectGraph: ", kind, " inside a control-flow block");
-      for (torch::jit::Block* b : n->blocks()) refuse_nested(b, true);
-    }
-  }
-
-  static int64_t slot_of(torch::jit::Node* n) {
-    const auto slot = torch::jit::toIValue(n->input(0));
-    TORCH_CHECK(slot && slot->isInt(), "terra_torch: DirectGraph: ", n->kind().toQualString(), " without a constant slot");
-    return slot->toInt();
-  }
-
-  void lift_channel_ops() {
-    refuse_nested(graph_->block(), false);
-    std::map<int64_t, torch::jit::Node*> feeds, fetches;
-    for (torch::jit::Node* n : graph_->block()->nodes()) {
-      const std::string kind = n->kind().toQualString();
-      if (kind == emit::kFeedOp || kind == emit::kFeedOrNoneOp) {
-        TORCH_CHECK(feeds.emplace(slot_of(n), n).second, "terra_torch: DirectGraph: feed slot fed twice");
-      } else if (kind == emit::kFetchOp) {
-        TORCH_CHECK(fetches.emplace(slot_of(n), n).second, "terra_torch: DirectGraph: fetch slot read twice");
-      }
-    }
-    for (auto& [slot, n] : feeds) {
-      torch::jit::Value* input = graph_->addInput();
-      input->setType(n->output()->type());
-      n->output()->replaceAllUsesWith(input);
-      n->destroy();
-      feed_slots_.push_back(slot);
-    }
-    for (auto& [slot, n] : fetches) {
-      if (into_buffers_) {
-        torch::jit::Value* buffer = graph_->addInput();
-        buffer->setType(c10::TensorType::get());
-        torch::jit::WithInsertPoint here(n);
-        torch::jit::Value* no = graph_->insertConstant(false);
-        torch::jit::Node* copy = graph_->create(c10::Symbol::fromQualString("aten::copy_"), {buffer, n->input(1), no}, 1);
-        copy->output()->setType(c10::TensorType::get());
-        graph_->insertNode(copy);
-      } else {
-        graph_->registerOutput(n->input(1));
-      }
-      n->destroy();
-      fetch_slots_.push_back(slot);
-    }
-  }
-
-  bool into_buffers_ = false;
-  std::shared_ptr<torch::jit::Graph> graph_;
-  std::unique_ptr<runtime::TorchScriptExecutor> executor_;
-  std::vector<int64_t> feed_slots_;
-  std::vector<int64_t> fetch_slots_;
-};
-
-// ---- deferred direct runs ---------------------------------------------------------------------
-
-// Direct graphs launched without waiting (docs/DYNAMO_BACKEND.md, "Overlap"): one process-wide
-// worker runs them in launch order, each writing into output buffers Python already holds.
-// Nothing marks those buffers (an extra dispatch key would fail Dynamo's tensor guards), so the
-// wait is tied to ops instead: a global RecordFunction callback makes the first op of any
-// Python thread wait until every launched run has finished. Ops on other threads (the worker,
-// intra-op pools) do not wait; they never touch Python's values before Python's own ops do.
-thread_local bool t_no_direct_wait = false;
-
-class DirectWorker {
- public:
-  static DirectWorker& get() {
-    static auto* worker = new DirectWorker();  // leaked: its thread may outlive static destruction
-    return *worker;
-  }
-
-  bool pending() const { return pending_.load(std::memory_order_acquire) > 0; }
-
-  // Called with the GIL held. The job keeps its own references to the tensors Python passed
-  // and got back: the worker never drops the last one, because a tensor whose Python object
-  // outlived Python's references frees that object under the GIL, and the worker would then
-  // stall until the Python thread's next switch interval. Finished jobs' references are
-  // dropped here and in release_finished(), on the Python thread.
-  void launch(std::shared_ptr<DirectGraph> graph, std::vector<c10::IValue> stack) {
-    ensure_started();
-    std::vector<c10::IValue> keep = stack;
-    std::vector<std::vector<c10::IValue>> finished;
-    {
-      std::lock_guard lock(mu_);
-      queue_.push_back({std::move(graph), std::move(stack), std::move(keep), at::get_num_threads()});
-      pending_.fetch_add(1, std::memory_order_release);
-      finished.swap(finished_);
-    }
-    work_cv_.notify_one();
-  }
-
-  void release_finished() {
-    std::vector<std::vector<c10::IValue>> finished;
-    std::lock_guard lock(mu_);
-    finished.swap(finished_);
-  }
-
-  // Waits for every launched run; rethrows the first error since the last wait (once).
-  void wait() {
-    std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
-
-  bool failed() {
-    std::lock_guard lock(mu_);
-    return error_ != nullptr;
-  }
-
-  // For the op callback: waits, and leaves an error for wait() to raise. RecordFunction turns
-  // an exception from a start callback into a logged warning, so raising it there would lose it.
-  void wait_idle() {
-    std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-  }
-
- private:
-  struct Job {
-    std::shared_ptr<DirectGraph> graph;
-    std::vector<c10::IValue> stack;
-    std::vector<c10::IValue> keep;  // Python's tensors, released on the Python thread
-    int threads;                     // the launching thread's intra-op thread count
-  };
-
-  void ensure_started() {
-    std::call_once(started_, [&] {
-      std::thread([this] { loop(); }).detach();
-      at::addGlobalCallback(at::RecordFunctionCallback(&wait_before_op)
-                                .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
-    });
-  }
-
-  void loop() {
-    c10::setThreadName("terra_direct");
-    t_no_direct_wait = true;
-    while (true) {
-      Job job;
-      {
-        std::unique_lock lock(mu_);
-        work_cv_.wait(lock, [&] { return !queue_.empty(); });
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::exception_ptr error;
-      // A new thread's OpenMP team is the library default (all cores), not what the program set
-      // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
-      if (at::get_num_threads() != job.threads) at::set_num_threads(job.threads);
-      try {
-        job.graph->run_stack(std::move(job.stack));
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mu_);
-        finished_.push_back(std::move(job.keep));
-        if (error && !error_) error_ = error;
-        pending_.fetch_sub(1, std::memory_order_release);
-      }
-      done_cv_.notify_all();
-    }
-  }
-
-  static std::unique_ptr<at::ObserverContext> wait_before_op(const at::RecordFunction&) {
-    DirectWorker& w = get();
-    if (!w.pending() || t_no_direct_wait) return nullptr;
-    if (PyGILState_GetThisThreadState() == nullptr) return nullptr;  // not a Python thread
-    if (PyGILState_Check()) {
-      py::gil_scoped_release no_gil;  // the worker may need the GIL to free a tensor
-      w.wait_idle();
-    } else {
-      w.wait_idle();
-    }
-    return nullptr;
-  }
-
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::deque<Job> queue_;
-  std::vector<std::vector<c10::IValue>> finished_;
-  std::atomic<int64_t> pending_{0};
-  std::exception_ptr error_;
-  std::once_flag started_;
-};
-
-// Allocates the output buffers and queues the run; returns the buffers (per fetch slot).
-std::vector<at::Tensor> launch_direct(const std::shared_ptr<DirectGraph>& graph,
-                                      const std::vector<std::optional<at::Tensor>>& inputs,
-                                      const std::vector<at::Tensor>& like) {
-  TORCH_CHECK(graph->into_buffers(), "terra_torch: launch needs a DirectGraph made with into_buffers=True");
-  TORCH_CHECK(inputs.size() == graph->feed_slots().size() && like.size() == graph->fetch_slots().size(),
-              "terra_torch: launch: wrong number of inputs or buffer templates");
-  std::vector<c10::IValue> stack;
-  stack.reserve(inputs.size() + like.size());
-  for (const auto& t : inputs) stack.emplace_back(t ? c10::IValue(*t) : c10::IValue());
-  std::vector<at::Tensor> buffers;
-  buffers.reserve(like.size());
-  {
-    // Fresh memory of our own: allocating it need not wait for runs still in flight.
-    const bool saved = t_no_direct_wait;
-    t_no_direct_wait = true;
-    for (const auto& t : like) buffers.push_back(at::empty_strided(t.sizes(), t.strides(), t.options()));
-    t_no_direct_wait = saved;
-  }
-  for (const auto& b : buffers) stack.emplace_back(b);
-  DirectWorker::get().launch(graph, std::move(stack));
-  return buffers;
-}
-
-void wait_direct() {
-  DirectWorker& w = DirectWorker::get();
-  if (w.pending() || w.failed()) {
-    py::gil_scoped_release no_gil;
-    w.wait();
-  }
-  w.release_finished();
-}
-
 // ---- GraphRunner ------------------------------------------------------------------------------
 
 // Live runners, for the atexit hook, keyed by their Python wrapper. Weak: the hook must not keep
@@ -456,8 +177,6 @@ runtime::TorchScriptMode parse_mode(const std::string& mode) {
               "terra_torch: executor mode must be 'interpreter' or 'graph_executor', got '", mode, "'");
   return mode == "interpreter" ? runtime::TorchScriptMode::kInterpreter : runtime::TorchScriptMode::kGraphExecutor;
 }
-
-runtime::TorchScriptMode DirectGraph::parse_executor_mode(const std::string& mode) { return parse_mode(mode); }
 
 class PyGraphRunner {
  public:
@@ -515,7 +234,7 @@ class PyGraphRunner {
 
 void shutdown_all_runners() {
   try {
-    wait_direct();  // launched runs finish while the interpreter can still hand out the GIL
+    runtime::wait_direct();  // launched runs finish while the interpreter can still hand out the GIL
   } catch (const std::exception&) {
   }
   std::vector<std::shared_ptr<GraphRunner>> runners;
@@ -594,10 +313,10 @@ void init_runtime(py::module_& m) {
 
   py::class_<DirectGraph, std::shared_ptr<DirectGraph>>(r, "DirectGraph")
       .def(py::init([](const Plan& plan, const std::string& mode, bool into_buffers) {
-             return std::make_shared<DirectGraph>(plan.graph(), mode, into_buffers);
+             return std::make_shared<DirectGraph>(plan.graph(), parse_mode(mode), into_buffers);
            }),
            py::arg("plan"), py::arg("mode") = "interpreter", py::arg("into_buffers") = false)
-      .def("launch", &launch_direct, py::arg("inputs"), py::arg("like"),
+      .def("launch", &runtime::launch_direct, py::arg("inputs"), py::arg("like"),
            "Queue a run on the deferred worker; returns output buffers shaped like `like`, filled when "
            "the run ends (the next op of any Python thread waits for that)")
       .def_property_readonly("feed_slots", &DirectGraph::feed_slots, "the feed slot of each input, in order")
@@ -629,9 +348,9 @@ void init_runtime(py::module_& m) {
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyGraphRunner& g, py::args) { g.shutdown(); });
 
-  r.def("wait_direct", &wait_direct, "Wait for every launched direct run; re-raise the first error");
-  r.def("direct_failed", [] { return DirectWorker::get().failed(); }, "A launched direct run failed (wait_direct raises it)");
-  r.def("direct_pending", [] { return DirectWorker::get().pending() || DirectWorker::get().failed(); },
+  r.def("wait_direct", &runtime::wait_direct, "Wait for every launched direct run; re-raise the first error");
+  r.def("direct_failed", &runtime::direct_failed, "A launched direct run failed (wait_direct raises it)");
+  r.def("direct_pending", &runtime::direct_pending,
         "A launched direct run is in flight, or failed and wait_direct has not raised it yet");
   r.def("_shutdown_all", &shutdown_all_runners, "Shut down every live GraphRunner (atexit hook)");
   // atexit hooks run before finalization starts, while a worker can still take the GIL to free a

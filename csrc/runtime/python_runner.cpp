@@ -22,6 +22,7 @@
 #include "capture/terra_key.h"
 #include "capture/value_checks.h"
 #include "runtime/executor.h"
+#include "runtime/gil_release.h"
 
 namespace terra::runtime {
 
@@ -32,22 +33,6 @@ using Clock = std::chrono::steady_clock;
 int64_t ns_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
 }
-
-// Releases the GIL for the scope if this thread holds it.
-class GilRelease {
- public:
-  GilRelease() {
-    if (Py_IsInitialized() && PyGILState_Check()) state_ = PyEval_SaveThread();
-  }
-  ~GilRelease() {
-    if (state_ != nullptr) PyEval_RestoreThread(state_);
-  }
-  GilRelease(const GilRelease&) = delete;
-  GilRelease& operator=(const GilRelease&) = delete;
-
- private:
-  PyThreadState* state_ = nullptr;
-};
 
 // Ctrl-C while Python waits for the graph: raise KeyboardInterrupt in the user's program.
 void check_signals() {
