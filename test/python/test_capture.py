@@ -351,3 +351,45 @@ def test_an_op_that_raises_leaves_no_record_and_the_error_reaches_the_user():
     assert message == str(eager_error.value)
     assert trace.names == ["aten::sum"]
     assert torch.equal(total, a.sum())
+
+
+def _guarded_lines(fn) -> set[int]:
+    import dis
+    from terra_torch._locations import guarded_ranges
+    lines = set()
+    for start, end in guarded_ranges(fn.__code__):
+        for ins in dis.get_instructions(fn):
+            if start <= ins.offset < end and ins.positions.lineno is not None:
+                lines.add(ins.positions.lineno - fn.__code__.co_firstlineno)
+    return lines
+
+
+def test_guarded_ranges_are_the_except_clauses_that_can_catch_a_kernel_error():
+    def f(x, ids):
+        with torch.no_grad():
+            a = x + 1                  # 2: a `with` catches nothing
+        try:
+            b = x[ids]                 # 4: guarded
+        except (IndexError, RuntimeError):
+            b = x[ids.clamp(0, 3)]     # 6: the except body is not
+        try:
+            c = x * 2                  # 8: try/finally re-raises
+        finally:
+            pass
+        try:
+            d = x - 1                  # 12: KeyboardInterrupt catches no kernel error
+        except KeyboardInterrupt:
+            pass
+        try:
+            e = x / 2                  # 16: a later clause may
+        except KeyError:
+            pass
+        except Exception:
+            pass
+        try:
+            g = x.sum()                # 22: bare except
+        except:  # noqa: E722
+            pass
+        return a, b, c, d, e, g
+
+    assert _guarded_lines(f) == {4, 16, 22}

@@ -624,6 +624,31 @@ def test_h_explicit_generator_object_is_drawn_from_in_program_order():
     assert r.stats.iterations["coexec"] >= STEPS - 5, r.stats
 
 
+def test_h_another_generator_object_is_a_divergence():
+    # The graph draws from the object it was generated with; an op passed another one must not
+    # run there (it would draw from the wrong stream): a fallback, and the numbers stay eager's.
+    def train(terra: bool):
+        m, opt = seeded_mlp(terra)
+        gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+        losses = []
+        for i in range(24):
+            x = torch.randn(4, 8, generator=gens[0 if i < 12 else 1])
+            losses.append(plain_step(m, opt, x, torch.zeros(4, 1)).detach())
+        reasons = []
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(m)
+            reasons = [f.reason for f in m._terra_program.fallbacks]
+            terra_torch.unwrap(m)
+            assert st.iterations["coexec"] >= 8, st
+        return [float(v) for v in losses], [p.detach().clone() for p in m.parameters()], reasons
+
+    (la, pa, _), (lb, pb, reasons) = train(False), train(True)
+    assert la == lb
+    assert all(torch.equal(u, v) for u, v in zip(pa, pb))
+    assert any("another torch.Generator" in r for r in reasons), reasons
+
+
 def test_explicit_generator_runs_eagerly_and_correctly():
     # A new generator object every iteration cannot be baked into a graph: the program says why
     # and runs eagerly (correct results, no co-execution).
