@@ -198,7 +198,8 @@ class Emitter {
 
   Value* input(NodeId n, uint32_t slot) {
     const VarId var = flow_.read(n, slot, copy_);
-    const std::vector<VarId>* choices = coexec_ && var != kNoVar ? flow_.choices(n, slot, copy_) : nullptr;
+    // (Offline replays post the choice from the trace: scripted_channel.h.)
+    const std::vector<VarId>* choices = var != kNoVar ? flow_.choices(n, slot, copy_) : nullptr;
     if (coexec_ && var != kNoVar && several_producers(n, slot) && choices == nullptr)
       out_.checked_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
     if (flow_.fed(n, slot)) {

@@ -1,8 +1,10 @@
 // ScriptedChannel and the script of a recorded trace.
 #include "emit/scripted_channel.h"
 
+#include <algorithm>
 #include <stdexcept>
 
+#include "emit/value_flow.h"
 #include "trace/replay.h"
 
 namespace terra::emit {
@@ -16,7 +18,14 @@ uint32_t ScriptedChannel::take(int64_t site, const char* what) {
   return d.value;
 }
 
-int64_t ScriptedChannel::case_select(int64_t site) { return take(site, "case_select"); }
+int64_t ScriptedChannel::case_select(int64_t site) {
+  if (site < kSelectSiteBase) return take(site, "case_select");
+  auto& q = selections_[site];
+  TORCH_CHECK(!q.empty(), "terra_torch: scripted channel has no choice for selected read site ", site);
+  const int64_t v = q.front();
+  q.pop_front();
+  return v;
+}
 
 bool ScriptedChannel::loop_cond(int64_t site) { return take(site, "loop_cond") == trace::kLoopContinue; }
 
@@ -34,6 +43,8 @@ void ScriptedChannel::fetch(int64_t slot, const at::Tensor& value) { fetched_.em
 std::string ScriptedChannel::leftovers() const {
   std::string out;
   if (!decisions_.empty()) out += std::to_string(decisions_.size()) + " decisions; ";
+  for (const auto& [site, q] : selections_)
+    if (!q.empty()) out += std::to_string(q.size()) + " choices of selected read site " + std::to_string(site) + "; ";
   for (const auto& [slot, q] : feeds_)
     if (!q.empty()) out += std::to_string(q.size()) + " feeds of slot " + std::to_string(slot) + "; ";
   return out;
@@ -45,6 +56,35 @@ double ScriptedChannel::feed_scalar(int64_t slot) {
   const double v = q.front();
   q.pop_front();
   return v;
+}
+
+std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProgram& program, uint32_t index,
+                                                              const trace::Program& structured,
+                                                              const EmittedGraph& emitted) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (emitted.selected_reads.empty()) return out;
+  const trace::Trace& t = program.trace(index);
+  const auto& nodes = program.record_nodes(index);
+  const std::vector<CopyIndex> copies = record_copies(program.graph(), structured, t, nodes);
+  for (size_t r = 0; r < t.ops.size(); ++r) {
+    for (uint32_t s = 0; s < t.ops[r].inputs.size(); ++s) {
+      const auto sel = emitted.selected_reads.find(EmittedGraph::key(nodes[r], s));
+      if (sel == emitted.selected_reads.end()) continue;
+      const auto choice = sel->second.find(copies[r]);
+      if (choice == sel->second.end()) continue;
+      const trace::ValueRef& in = t.ops[r].inputs[s];
+      int64_t j = 0;  // a feed: the graph takes the fed tensor whatever it picks
+      if (in.kind == trace::ValueRef::Kind::kOutput) {
+        const auto& ps = choice->second.producers;
+        const auto it = std::find(ps.begin(), ps.end(), std::make_pair(nodes[in.index], in.output));
+        if (it == ps.end())
+          throw std::logic_error("terra_torch: record " + std::to_string(r) + " reads a producer its selected read lacks");
+        j = it - ps.begin();
+      }
+      out.emplace_back(choice->second.site, j);
+    }
+  }
+  return out;
 }
 
 ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,
@@ -59,6 +99,8 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
   const auto& nodes = program.record_nodes(index);
   if (captured.ops.size() != nodes.size())
     throw std::invalid_argument("terra_torch: capture trace does not match trace " + std::to_string(index));
+  for (const auto& [site, choice] : selections_for_trace(program, index, structured, emitted))
+    script.push_selection(site, choice);
   for (size_t i = 0; i < captured.ops.size(); ++i) {
     auto scalars = emitted.node_scalars.find(nodes[i]);
     if (scalars != emitted.node_scalars.end())

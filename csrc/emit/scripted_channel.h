@@ -22,6 +22,9 @@ namespace terra::emit {
 class ScriptedChannel final : public ChannelSource {
  public:
   void push_decision(const trace::Decision& d) { decisions_.push_back(d); }
+  // The choice of a selected read (sites from kSelectSiteBase): one queue per site, since the
+  // graph asks them between the Program's decisions.
+  void push_selection(int64_t site, int64_t choice) { selections_[site].push_back(choice); }
   // An undefined tensor stands for "none" (a feed_or_none slot that read a graph value).
   void push_feed(int64_t slot, at::Tensor t) { feeds_[slot].push_back(std::move(t)); }
   void push_scalar(int64_t slot, double v) { scalars_[slot].push_back(v); }
@@ -41,13 +44,19 @@ class ScriptedChannel final : public ChannelSource {
   uint32_t take(int64_t site, const char* what);
 
   std::deque<trace::Decision> decisions_;
+  std::unordered_map<int64_t, std::deque<int64_t>> selections_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
   std::unordered_map<int64_t, std::deque<double>> scalars_;
   std::vector<std::pair<int64_t, at::Tensor>> fetched_;
 };
 
+// (site, choice) of every selected read trace `index` makes, in program order.
+std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProgram& program, uint32_t index,
+                                                              const trace::Program& structured,
+                                                              const EmittedGraph& emitted);
+
 // The script that makes `emitted` replay trace `index` of `program`: decisions from a Cursor over
-// `structured`, and per feed slot the external tensors `captured` (the capture trace the index
+// `structured`, the producer each selected read of the trace read, and per feed slot the external tensors `captured` (the capture trace the index
 // was built from) read there, taken from `externals` (indexed like captured.externals).
 // Throws std::runtime_error if the program does not accept the trace.
 ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,

@@ -108,9 +108,8 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
   sets_of_ = {};
 }
 
-std::vector<CopyIndex> ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& program,
-                                          const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
-                                          std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
+std::vector<CopyIndex> record_copies(const trace::TraceGraph& graph, const trace::Program& program,
+                                     const trace::Trace& trace, const std::vector<trace::NodeId>& nodes) {
   const auto trips = trip_indices(trace);
   std::unordered_map<trace::NodeId, std::vector<trace::NodeId>> loops_of;
   std::vector<CopyIndex> copies(trace.ops.size());
@@ -123,6 +122,18 @@ std::vector<CopyIndex> ValueFlow::observe(const trace::TraceGraph& graph, const 
                              " loop frames but its node lies in " + std::to_string(loops.size()) + " loops");
     for (size_t d = 0; d < loops.size(); ++d)
       if (unrolled(program, loops[d])) copies[r].push_back(trips[r][d]);
+  }
+  return copies;
+}
+
+std::vector<CopyIndex> ValueFlow::observe(const trace::TraceGraph& graph, const trace::Program& program,
+                                          const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
+                                          std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) {
+  const std::vector<CopyIndex> copies = record_copies(graph, program, trace, nodes);
+  std::unordered_map<trace::NodeId, std::vector<trace::NodeId>> loops_of;
+  for (size_t r = 0; r < trace.ops.size(); ++r) {
+    auto [it, inserted] = loops_of.try_emplace(nodes[r]);
+    if (inserted) it->second = enclosing_loops(graph, nodes[r]);
   }
   // Latest record that wrote each producer copy, to find reads of an overwritten one.
   std::unordered_map<Key, uint32_t, KeyHash> latest;

@@ -121,6 +121,10 @@ class ValueFlow {
   std::vector<uint64_t> stale_loops_;
 };
 
+// The copy (value_flow.h) of every record of `trace`, merged into `graph` with `nodes`.
+std::vector<CopyIndex> record_copies(const trace::TraceGraph& graph, const trace::Program& program,
+                                     const trace::Trace& trace, const std::vector<trace::NodeId>& nodes);
+
 // Trip index of each enclosing loop for every record of `trace` (the iteration count of the
 // loop instance so far, 0-based; iterations that issued no ops do not count), by the loop-frame
 // rules of docs/TRACEGRAPH.md.

@@ -75,6 +75,7 @@ class PyGraph {
     d["switches"] = emitted_.stats.switches;
     d["loops"] = emitted_.stats.loops;
     d["unrolled"] = emitted_.stats.unrolled;
+    d["selected_reads"] = emitted_.num_selections;
     d["nodes"] = emitted_.stats.nodes_after_passes;
     d["tracegraph_nodes"] = state_->program.graph().num_nodes();
     for (const auto& [k, v] : timings_) d[py::str(k)] = v;

@@ -22,6 +22,7 @@
 #include "emit/captured_program.h"
 #include "emit/channel.h"
 #include "emit/graph_emitter.h"
+#include "emit/scripted_channel.h"
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/channels.h"
@@ -124,6 +125,9 @@ class Plan {
                 "terra_torch: the generated program does not accept trace ", index);
     py::list decisions;
     for (const auto& d : ds) decisions.append(py::make_tuple(d.site, d.value));
+    // (The channel keeps one queue per site, so the choices can follow the Program's decisions.)
+    for (const auto& [site, choice] : emit::selections_for_trace(program_, index, structured_, emitted_))
+      decisions.append(py::make_tuple(site, choice));
 
     // Slot numbering skips None inputs, as the translation and the emitter do.
     py::list feeds, fetches;

@@ -354,3 +354,22 @@ def test_emitted_channel_ops_survive_optimization():
     for op in ("terra::case_select", "terra::fetch", "terra::feed"):
         assert count(opt.text, op) == count(raw.text, op) > 0
     assert len(opt.fetches) == count(opt.text, "terra::fetch")
+
+
+def pick_one(x: torch.Tensor, first: bool) -> torch.Tensor:
+    a = x * 2
+    b = x * 3  # runs after a in every trace
+    return (a if first else b) + 1
+
+
+def test_selected_read_replays_the_producer_each_trace_read():
+    # Both producers run before the read and the program picks one in Python: "whichever ran
+    # last" would always read b. The graph picks the producer by a choice the script derives
+    # from the trace (in co-execution, Python posts it).
+    x = torch.randn(3)
+    recs = [graph.record(pick_one, x, first) for first in (True, False, True)]
+    g = graph.build(recs)
+    assert g.stats["selected_reads"] == 1
+    for rec, first in zip(recs, (True, False, True)):
+        out = g.run(rec)
+        assert torch.equal(out.outputs[0], x * (2 if first else 3) + 1)
