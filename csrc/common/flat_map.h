@@ -4,10 +4,11 @@
 // Why not std::unordered_map: it allocates a node per insert, and the capture layer inserts on
 // nearly every intercepted op; those mallocs were a large share of the per-op cost (see
 // docs/ARCHITECTURE.md, "Per-op cost"). Here slots live in one array: an insert into a table
-// that has grown allocates nothing. Entries are never erased (a region drops its tables whole),
-// so linear probing needs no tombstones.
+// that has grown allocates nothing. Linear probing without tombstones: erase() shifts the
+// rest of the probe run back into the hole (the runtime's per-iteration tables drop entries).
+// Iteration order is the slot order, which depends on the keys' hashes.
 //
-// Pointers to values stay valid until the next insert that grows the table.
+// Pointers to values stay valid until the next insert that grows the table or the next erase.
 #pragma once
 
 #include <cstddef>
@@ -47,6 +48,43 @@ class FlatMap {
   }
   const V* find(K key) const { return const_cast<FlatMap*>(this)->find(key); }
 
+  // Empties the table but keeps its slots: a table refilled every iteration allocates nothing.
+  void clear() {
+    if (size_ == 0) return;
+    for (Slot& s : slots_) s = Slot{};
+    size_ = 0;
+  }
+
+  // Removes `key`; false when it was absent.
+  bool erase(K key) {
+    if (size_ == 0) return false;
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      if (!slots_[i].used) return false;
+      if (slots_[i].key == key) {
+        erase_slot(i);
+        return true;
+      }
+    }
+  }
+
+  // Removes every entry for which drop(key, value) is true.
+  template <typename Drop>
+  void erase_if(Drop drop) {
+    for (size_t i = 0; i < slots_.size();) {
+      Slot& s = slots_[i];
+      // After an erase, slot i may hold an entry shifted back from later in the run: look again.
+      if (s.used && drop(static_cast<const K&>(s.key), s.value)) erase_slot(i);
+      else ++i;
+    }
+  }
+
+  // Calls f(key, value) for every entry.
+  template <typename F>
+  void for_each(F f) const {
+    for (const Slot& s : slots_)
+      if (s.used) f(s.key, s.value);
+  }
+
   // The value under `key`, default-constructed if absent; the bool says whether it was inserted.
   std::pair<V*, bool> try_emplace(K key) {
     if ((size_ + 1) * 4 > slots_.size() * 3) rehash(slots_.size() * 2);
@@ -79,6 +117,22 @@ class FlatMap {
     else
       bits = static_cast<uint64_t>(key);
     return static_cast<size_t>(scramble(bits)) & mask_;
+  }
+
+  // Backward-shift deletion: each later entry of the run whose home is not between the hole and
+  // itself (cyclically) moves into the hole, which moves to where it was.
+  void erase_slot(size_t hole) {
+    for (size_t j = (hole + 1) & mask_;; j = (j + 1) & mask_) {
+      Slot& s = slots_[j];
+      if (!s.used) break;
+      const size_t h = home(s.key);
+      const bool reachable = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);
+      if (reachable) continue;  // its probe from h reaches j without passing the hole
+      slots_[hole] = std::move(s);
+      hole = j;
+    }
+    slots_[hole] = Slot{};
+    --size_;
   }
 
   void rehash(size_t capacity) {

@@ -111,14 +111,10 @@ void PythonRunner::begin_iteration() {
   cursor_.reset();
   record_nodes_.clear();
   latest_.clear();
-  latest_seq_.clear();
   diverged_ = false;
   reason_.clear();
   divergence_record_ = -1;
-  for (auto it = links_.begin(); it != links_.end();) {
-    if (it->second.impl.expired()) it = links_.erase(it);
-    else ++it;
-  }
+  links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
   values_->sweep();
   runner_->start_iteration();
   ++started_;
@@ -216,9 +212,9 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
         const at::Tensor t = argument_tensor(args, in);
-        auto it = latest_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
-        if (!t.defined() || !t.has_storage() || it == latest_.end() ||
-            it->second != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+        const Latest* latest = latest_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
+        if (!t.defined() || !t.has_storage() || latest == nullptr ||
+            latest->where != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
                                          t.storage_offset()))
           return diverge(op_name(rec) + " reads a value from an earlier iteration of a loop (the graph keeps only the latest)",
                          index);
@@ -312,17 +308,18 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     const at::Tensor& t = outputs[k];
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
     if (t.defined() && t.has_storage()) {
-      latest_[tag] = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
-      latest_seq_[tag] = ++sequence_;
+      Latest& latest = *latest_.try_emplace(tag).first;
+      latest.where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
+      latest.seq = ++sequence_;
     }
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
-    Link link{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), i};
-    auto [it, inserted] = links_.try_emplace(t.unsafeGetTensorImpl(), link);
-    if (inserted) continue;
-    if (!it->second.impl.expired()) values_->retire(it->second.index);  // in place: read the newer value
-    it->second = std::move(link);  // (an expired entry: a new tensor at a dead one's address)
+    auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
+    if (!inserted && !link->expired()) values_->retire(link->index);  // in place: read the newer value
+    // (an expired entry: a new tensor at a dead one's address)
+    link->impl.emplace(t.getIntrusivePtr());
+    link->index = i;
   }
 }
 
@@ -508,10 +505,10 @@ bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t
   const std::pair<const void*, int64_t>* best = nullptr;
   for (const auto& [node, output] : producers) {
     const int64_t tag = emit::EmittedGraph::publish_tag(node, output);
-    auto seq = latest_seq_.find(tag);
-    if (seq == latest_seq_.end() || seq->second <= best_seq) continue;
-    best_seq = seq->second;
-    best = &latest_.at(tag);
+    const Latest* latest = latest_.find(tag);
+    if (latest == nullptr || latest->seq <= best_seq) continue;
+    best_seq = latest->seq;
+    best = &latest->where;
   }
   if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
   return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
@@ -548,9 +545,9 @@ bool PythonRunner::in_loop(trace::NodeId n) const {
 }
 
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
-  auto it = links_.find(t.unsafeGetTensorImpl());
-  if (it == links_.end() || it->second.impl.expired()) return std::nullopt;
-  return it->second.index;
+  const Link* link = links_.find(t.unsafeGetTensorImpl());
+  if (link == nullptr || link->expired()) return std::nullopt;
+  return link->index;
 }
 
 void PythonRunner::drain_outcomes(bool block) {

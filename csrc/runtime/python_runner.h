@@ -16,6 +16,8 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+
+#include "common/flat_map.h"
 #include <vector>
 
 #include "capture/coexec_hook.h"
@@ -95,8 +97,9 @@ class PythonRunner final : public capture::CoExecHook {
 
  private:
   struct Link {  // a tensor whose current value lives in the value table
-    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
-    int64_t index;
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;  // always set
+    int64_t index = -1;
+    bool expired() const { return !impl || impl->expired(); }
   };
   // What Python sends, in the channel's own form (gates and scalars are decisions in their own
   // key ranges), so that a batch goes out as it was collected.
@@ -153,12 +156,19 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
-  std::unordered_map<const c10::TensorImpl*, Link> links_;
+  // Open addressing: nearly every output of an iteration inserts a link, and the next iteration
+  // drops the dead ones; a node-based map paid a malloc and a free for each.
+  common::FlatMap<const c10::TensorImpl*, Link> links_;
   // This iteration: the storage (and offset) of the latest output of each (node, output), for
   // the loop check in validate(). Storage, not TensorImpl: autograd unpacks saved outputs into
   // fresh TensorImpls over the same storage.
-  std::unordered_map<int64_t, std::pair<const void*, int64_t>> latest_;
-  std::unordered_map<int64_t, int64_t> latest_seq_;  // when each (node, output) last ran
+  // One open-addressing table for both facts, emptied (not freed) per iteration: every output
+  // of every op writes it, and two node-based maps cost two mallocs per output.
+  struct Latest {
+    std::pair<const void*, int64_t> where{nullptr, 0};
+    int64_t seq = 0;  // when the (node, output) last ran
+  };
+  common::FlatMap<int64_t, Latest> latest_;
   int64_t sequence_ = 0;
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;

@@ -26,7 +26,7 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
   {
     std::lock_guard lock(mu_);
     const int64_t index = published_++;
-    Entry& e = entries_[index];
+    Entry& e = *entries_.try_emplace(index).first;
     e.published = true;
     if (e.expected) {
       if (e.tag != tag) mismatch(index, e.tag, tag);
@@ -48,7 +48,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
   const int64_t index = expected_++;
-  Entry& e = entries_[index];
+  Entry& e = *entries_.try_emplace(index).first;
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
   e.tag = tag;
   e.expected = true;
@@ -70,19 +70,19 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
 
 void ValueTable::pin(int64_t index) {
   std::lock_guard lock(mu_);
-  ++entries_[index].pins;
+  ++entries_.try_emplace(index).first->pins;
 }
 
 std::optional<at::Tensor> ValueTable::take(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  auto it = entries_.find(index);
-  if (it == entries_.end() || !it->second.published) return std::nullopt;
-  at::Tensor v = it->second.value;
-  if (it->second.pins > 0) --it->second.pins;
-  if (it->second.pins == 0 && it->second.retired) {
-    dropped = std::move(it->second.value);
-    entries_.erase(it);
+  Entry* e = entries_.find(index);
+  if (e == nullptr || !e->published) return std::nullopt;
+  at::Tensor v = e->value;
+  if (e->pins > 0) --e->pins;
+  if (e->pins == 0 && e->retired) {
+    dropped = std::move(e->value);
+    entries_.erase(index);
   }
   return v;
 }
@@ -90,26 +90,26 @@ std::optional<at::Tensor> ValueTable::take(int64_t index) {
 void ValueTable::retire(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  auto it = entries_.find(index);
-  if (it == entries_.end()) return;
-  if (it->second.pins > 0) {
-    it->second.retired = true;  // the deferred feed takes it, then it goes
+  Entry* e = entries_.find(index);
+  if (e == nullptr) return;
+  if (e->pins > 0) {
+    e->retired = true;  // the deferred feed takes it, then it goes
     return;
   }
-  if (it->second.published) {
-    dropped = std::move(it->second.value);
-    entries_.erase(it);
+  if (e->published) {
+    dropped = std::move(e->value);
+    entries_.erase(index);
   } else {
-    it->second.holder.reset();  // the graph's value is dropped when it arrives
-    it->second.storage.reset();
+    e->holder.reset();  // the graph's value is dropped when it arrives
+    e->storage.reset();
   }
 }
 
 std::optional<at::Tensor> ValueTable::value(int64_t index) const {
   std::lock_guard lock(mu_);
-  auto it = entries_.find(index);
-  if (it == entries_.end() || !it->second.published) return std::nullopt;
-  return it->second.value;
+  const Entry* e = entries_.find(index);
+  if (e == nullptr || !e->published) return std::nullopt;
+  return e->value;
 }
 
 int64_t ValueTable::published() const {
@@ -119,9 +119,9 @@ int64_t ValueTable::published() const {
 
 std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
   std::lock_guard lock(mu_);
-  auto it = entries_.find(index);
-  if (it == entries_.end() || !it->second.expected) return std::nullopt;
-  return it->second.tag;
+  const Entry* e = entries_.find(index);
+  if (e == nullptr || !e->expected) return std::nullopt;
+  return e->tag;
 }
 
 int64_t ValueTable::expected() const {
@@ -138,22 +138,22 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
   std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
   {
     std::lock_guard lock(mu_);
-    for (const auto& [index, e] : entries_) {
-      if (!e.published || !e.holder || !e.value.defined()) continue;
+    entries_.for_each([&](int64_t index, const Entry& e) {
+      if (!e.published || !e.holder || !e.value.defined()) return;
       if (auto impl = e.holder->lock()) {
         found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
-        continue;
+        return;
       }
-      if (!e.storage) continue;
+      if (!e.storage) return;
       auto storage = e.storage->lock();
-      if (!storage) continue;
+      if (!storage) return;
       // Only a storage is left: a plain tensor of the same layout over it receives the value.
       at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
           c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, e.options.device())),
           e.options.dtype());
       view.unsafeGetTensorImpl()->set_sizes_and_strides(e.sizes, e.strides, e.storage_offset);
       found.push_back({index, {std::move(view), e.value}});
-    }
+    });
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<std::pair<at::Tensor, at::Tensor>> out;
@@ -165,20 +165,17 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
 void ValueTable::sweep() {
   std::vector<at::Tensor> dropped;
   std::lock_guard lock(mu_);
-  for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->second.expected && it->second.published && dead(it->second)) {
-      dropped.push_back(std::move(it->second.value));
-      it = entries_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  entries_.erase_if([&](int64_t, Entry& e) {
+    if (!(e.expected && e.published && dead(e))) return false;
+    dropped.push_back(std::move(e.value));
+    return true;
+  });
 }
 
 void ValueTable::clear() {
-  std::unordered_map<int64_t, Entry> dropped;
+  common::FlatMap<int64_t, Entry> dropped;
   std::lock_guard lock(mu_);
-  dropped.swap(entries_);
+  std::swap(dropped, entries_);
   published_ = 0;
   expected_ = 0;
 }

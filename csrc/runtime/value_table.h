@@ -15,7 +15,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
+
+#include "common/flat_map.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -74,7 +77,9 @@ class ValueTable {
     // same storage). A view of a real tensor reads that tensor's memory and needs nothing.
     std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
     c10::TensorOptions options;
-    std::vector<int64_t> sizes, strides;
+    // Inline: expect() fills them for nearly every placeholder, and heap vectors cost two
+    // mallocs (and two frees) per output.
+    c10::SmallVector<int64_t, 5> sizes, strides;
     int64_t storage_offset = 0;
     at::Tensor value;
     int32_t pins = 0;
@@ -88,7 +93,9 @@ class ValueTable {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::unordered_map<int64_t, Entry> entries_;
+  // Open addressing: every output of the program claims an entry and most are dropped within the
+  // iteration; a node-based map paid a malloc and a free for each.
+  common::FlatMap<int64_t, Entry> entries_;
   int64_t published_ = 0;
   int64_t expected_ = 0;
 };

@@ -63,4 +63,75 @@ TEST(FlatMap, ValuesMoveWhenTheTableGrows) {
   }
 }
 
+TEST(FlatMap, EraseEraseIfAndClearAgreeWithStdMap) {
+  // Small key range, many collisions and wrapped probe runs: every backward shift is exercised.
+  FlatMap<uint64_t, std::shared_ptr<uint64_t>> map;
+  std::map<uint64_t, uint64_t> expected;
+  uint64_t state = 12345;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 33;
+  };
+  auto agree = [&] {
+    ASSERT_EQ(map.size(), expected.size());
+    for (uint64_t k = 0; k < 600; ++k) {
+      const auto* v = map.find(k);
+      auto it = expected.find(k);
+      if (it == expected.end()) {
+        ASSERT_EQ(v, nullptr) << k;
+      } else {
+        ASSERT_NE(v, nullptr) << k;
+        ASSERT_EQ(**v, it->second) << k;
+      }
+    }
+    size_t seen = 0;
+    map.for_each([&](uint64_t k, const std::shared_ptr<uint64_t>& v) {
+      ++seen;
+      EXPECT_EQ(expected.at(k), *v);
+    });
+    ASSERT_EQ(seen, expected.size());
+  };
+  for (int round = 0; round < 40; ++round) {
+    for (int i = 0; i < 300; ++i) {
+      const uint64_t k = next() % 600;
+      if (next() % 3 == 0) {
+        EXPECT_EQ(map.erase(k), expected.erase(k) == 1) << k;
+      } else {
+        const uint64_t v = next();
+        *map.try_emplace(k).first = std::make_shared<uint64_t>(v);
+        expected[k] = v;
+      }
+    }
+    agree();
+    const uint64_t mod = 2 + round % 5;
+    map.erase_if([&](uint64_t k, const std::shared_ptr<uint64_t>&) { return k % mod == 0; });
+    for (auto it = expected.begin(); it != expected.end();) it = it->first % mod == 0 ? expected.erase(it) : std::next(it);
+    agree();
+    if (round % 10 == 9) {
+      map.clear();
+      expected.clear();
+      agree();
+    }
+  }
+}
+
+TEST(FlatMap, ClearAndEraseReleaseValues) {
+  auto owned = std::make_shared<int>(1);
+  FlatMap<uint64_t, std::shared_ptr<int>> map;
+  for (uint64_t k = 0; k < 100; ++k) *map.try_emplace(k).first = owned;
+  EXPECT_EQ(owned.use_count(), 101);
+  EXPECT_TRUE(map.erase(5));
+  EXPECT_FALSE(map.erase(5));
+  EXPECT_EQ(owned.use_count(), 100);
+  map.erase_if([](uint64_t k, const std::shared_ptr<int>&) { return k < 50; });
+  EXPECT_EQ(map.size(), 50u);
+  EXPECT_EQ(owned.use_count(), 51);
+  map.clear();
+  EXPECT_EQ(map.size(), 0u);
+  EXPECT_EQ(owned.use_count(), 1);
+  EXPECT_EQ(map.find(70), nullptr);
+  *map.try_emplace(70).first = owned;  // reusable after clear()
+  EXPECT_EQ(map.size(), 1u);
+}
+
 }  // namespace
