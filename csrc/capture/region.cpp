@@ -274,8 +274,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   bool guarded = false;
   rec.location = locate(rec, index, node.get(), has_python, &guarded);
   if (has_python) PyGILState_Release(gil);
-  // (Ops that draw random numbers are never run ahead of the graph: that would draw twice.)
-  rec.checked = guarded && checks_argument_values(op) && !op.hasTag(at::Tag::nondeterministic_seeded);
+  rec.checked = guarded && checks_argument_values(op);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 
@@ -290,8 +289,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   try {
     run_real(op, ks, stack);
   } catch (...) {
-    raised_.push_back(check_key(rec.location, op));
-    trace_.ops.pop_back();  // the op raised in the user's program: it did not happen
+    drop_raised(op);
     throw;
   }
   record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
@@ -346,8 +344,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     try {
       run_real(op, ks, stack);
     } catch (...) {
-      raised_.push_back(check_key(rec.location, op));
-      trace_.ops.pop_back();
+      drop_raised(op);
       throw;
     }
     const c10::SmallVector<at::Tensor, 4> flat = flatten();
@@ -357,9 +354,9 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     record_outputs(op, rec, index, stack, !diverged);
     return true;
   }
-  if (rec.checked || (hook_->check_first(rec) && !op.hasTag(at::Tag::nondeterministic_seeded))) {
+  // Never an op that draws random numbers: running it ahead of the graph would draw twice.
+  if ((rec.checked || hook_->check_first(rec)) && !op.hasTag(at::Tag::nondeterministic_seeded))
     check_first(op, ks, rec, index, args);  // returns only if the op would not raise
-  }
   size_t num_outputs = 0;
   for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
   if (hook_->validate(*this, rec, index, args, num_outputs, false, false) == CoExecHook::Verdict::kDiverged) {
@@ -396,11 +393,15 @@ void Region::check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, 
   }
   // Eager raised here: so does the program, at this op, with eager's exception. The op did not
   // happen; the runtime decides whether the graph can go on without it.
-  raised_.push_back(check_key(rec.location, op));
   const bool diverged = hook_->check_raised(*this, rec, index) == CoExecHook::Verdict::kDiverged;
-  trace_.ops.pop_back();
+  drop_raised(op);
   if (diverged) mode_ = Mode::Record;
   std::rethrow_exception(raised);
+}
+
+void Region::drop_raised(const c10::OperatorHandle& op) {
+  raised_.push_back(check_key(trace_.ops.back().location, op));  // learned: checked from now on
+  trace_.ops.pop_back();  // the op raised in the user's program: it did not happen
 }
 
 void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,

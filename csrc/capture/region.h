@@ -73,6 +73,8 @@ class Region {
   // them (written arguments cloned) before the graph may run it. Rethrows what it raised.
   void check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                    c10::ArrayRef<c10::IValue> args);
+  // The newest record's op raised: it is dropped from the trace and noted in raised().
+  void drop_raised(const c10::OperatorHandle& op);
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
                        int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "capture/trace_record.h"
+#include "capture/value_checks.h"
 #include "trace/hash.h"
 #include "trace/trace_graph.h"
 
@@ -88,6 +89,11 @@ class CapturedProgram {
   // Merged records flagged `checked` add theirs; so does every op that raised in an iteration.
   void add_check(uint64_t key) { checks_.insert(key); }
   bool is_check(uint64_t key) const { return !checks_.empty() && checks_.count(key) != 0; }
+  // The same for an op of a region: asked for every op in co-execution, so nothing is hashed
+  // while no op is to be checked.
+  bool is_check(uint64_t location, const c10::OperatorHandle& op) const {
+    return !checks_.empty() && checks_.count(capture::check_key(location, op)) != 0;
+  }
   // The check key of op node `n` (0 for other nodes).
   uint64_t check_key(trace::NodeId n) const;
 

@@ -90,7 +90,7 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
   for (size_t t = 0; t < traces.size(); ++t) find_selected(traces[t], record_nodes[t], copies[t], selected);
   for (const auto& [key, yes] : selected) {
     if (!yes) continue;
-    const std::vector<Item> items = sets_of_.at(reads_.at(key));  // a copy: intern() grows sets_of_
+    const std::vector<Item> items = sets_.at(reads_.at(key)).first;  // a copy: intern() grows sets_
     std::vector<VarId>& vars = choices_[key];
     for (const Item& i : items) vars.push_back(intern({i}));
   }
@@ -105,7 +105,6 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
   }
   set_index_.clear();
   sets_.clear();
-  sets_of_ = {};
 }
 
 std::vector<CopyIndex> record_copies(const trace::TraceGraph& graph, const trace::Program& program,
@@ -169,7 +168,7 @@ void ValueFlow::find_selected(const trace::Trace& trace, const std::vector<trace
       const Key key{n, s, copies[r]};
       auto [mark, fresh] = selected.try_emplace(key, false);
       if (mark->second) continue;
-      const std::vector<Item>& items = sets_of_.at(reads_.at(key));
+      const std::vector<Item>& items = sets_.at(reads_.at(key)).first;
       if (items.size() < 2) continue;
       // Python names the producer it read by node and output: copies of one node cannot be told apart.
       bool distinct = true;
@@ -246,7 +245,6 @@ VarId ValueFlow::intern(std::vector<Item> set) {
   for (const uint32_t e : bucket)
     if (sets_[e].first == set) return sets_[e].second;
   const VarId v = num_vars_++;
-  sets_of_.push_back(set);
   for (const Item& i : set) {
     if (i.any) writes_any_[pair_key(i.node, i.output)].push_back(v);
     else writes_[Key{i.node, i.output, i.copy}].push_back(v);

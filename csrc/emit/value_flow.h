@@ -113,8 +113,7 @@ class ValueFlow {
   std::unordered_map<Key, std::vector<VarId>, KeyHash> writes_;      // exact producer copies
   std::unordered_map<uint64_t, std::vector<VarId>> writes_any_;      // (node, output) -> vars
   std::vector<std::vector<bool>> fed_;                                // [node][slot]
-  std::vector<std::pair<std::vector<Item>, VarId>> sets_;             // for interning
-  std::vector<std::vector<Item>> sets_of_;                            // per variable, while building
+  std::vector<std::pair<std::vector<Item>, VarId>> sets_;  // indexed by VarId, while building
   std::unordered_map<uint64_t, std::vector<uint32_t>> set_index_;    // set hash -> sets_ entries
   uint32_t num_vars_ = 0;
   std::vector<std::vector<std::pair<trace::NodeId, uint32_t>>> producers_;  // per variable

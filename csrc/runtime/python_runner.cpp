@@ -247,7 +247,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
-  if (emitted) {
+  if (emitted && !emitted_.node_generators.empty()) {
     auto generators = emitted_.node_generators.find(node);
     if (generators != emitted_.node_generators.end()) {
       for (const auto& [attribute, impl] : generators->second)
@@ -324,14 +324,14 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
 }
 
 bool PythonRunner::check_first(const capture::OpRecord& rec) {
-  return !diverged_ && program_.is_check(capture::check_key(rec.location, rec.op));
+  return !diverged_ && program_.is_check(rec.location, rec.op);
 }
 
 PythonRunner::Verdict PythonRunner::check_raised(const capture::Region& region, const capture::OpRecord& rec,
                                                  int32_t index) {
-  const uint64_t key = capture::check_key(rec.location, rec.op);
-  program_.add_check(key);
-  if (emitted_.gated_checks.count(key) != 0) return Verdict::kPlaceholder;  // the graph waits at its gate
+  // (The Session learns the key from region.raised() when it merges the iteration.)
+  if (emitted_.gated_checks.count(capture::check_key(rec.location, rec.op)) != 0)
+    return Verdict::kPlaceholder;  // the graph waits at its gate
   // The graph was generated before this op was known to raise: it may have run it already.
   return diverge(op_name(rec) + " raised (checked before the graph ran it), and this graph does not wait for the check",
                  index);
@@ -385,23 +385,25 @@ void PythonRunner::wait_for_graph(int64_t count) {
   }
 }
 
-void PythonRunner::recover_from_failure(const std::string& error) {
-  channel_->cancel("the graph failed");
-  {
-    GilRelease no_gil;
-    while (waited_ < started_) {
-      try {
-        runner_->wait_iteration(std::chrono::nanoseconds::max());
-      } catch (...) {
-        // the failed iteration, and the ones queued after it (cancelled)
-      }
-      ++waited_;
+void PythonRunner::stop_graph(const std::string& why) {
+  pending_.clear();
+  channel_->cancel(why);
+  GilRelease no_gil;
+  while (waited_ < started_) {
+    try {
+      runner_->wait_iteration(std::chrono::nanoseconds::max());
+    } catch (...) {
+      // a failed iteration, or one the cancel stopped
     }
+    ++waited_;
   }
   runner_->reset();
+}
+
+void PythonRunner::recover_from_failure(const std::string& error) {
+  stop_graph("the graph failed");
   values_->clear();
   links_.clear();
-  pending_.clear();
   if (in_iteration_ && !diverged_) {
     // Nothing of this iteration can run on the graph any more: the rest of it records real ops.
     diverged_ = true;
@@ -585,14 +587,7 @@ void PythonRunner::stop_and_materialize(const std::string& why) {
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  pending_.clear();
-  channel_->cancel(why);
-  try {
-    drain_outcomes(true);
-  } catch (const std::exception&) {
-    // the cancelled iteration fails; earlier ones finished before the wait above returned
-  }
-  runner_->reset();
+  stop_graph(why);
   for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
   values_->clear();
   links_.clear();

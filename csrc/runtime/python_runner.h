@@ -124,12 +124,15 @@ class PythonRunner final : public capture::CoExecHook {
   // op no except clause covers): names that op in `error` and learns its check key, so that it
   // is checked first from now on. Needs the value table as the failure left it.
   std::string describe_failure(const std::string& error);
+  // Cancels the graph, waits out every started graph iteration (ignoring their errors: a failed
+  // one, or the ones the cancel stopped) and resets the runner for the next iteration.
+  void stop_graph(const std::string& why);
   // The channel was found cancelled: waits for the graph's iterations to end and rethrows the
   // error of one that failed, described (returns if none failed: Python cancelled it).
   void surface_failure();
-  // After the graph failed: waits out every started graph iteration, resets runner, channel and
-  // value table, ends the open iteration's co-execution (its rest records real ops), and throws
-  // `error`. Placeholders whose values the graph had not computed stay without one.
+  // After the graph failed: stop_graph(), clears the value table, ends the open iteration's
+  // co-execution (its rest records real ops) and throws `error`. Placeholders whose values the
+  // graph had not computed stay without one.
   [[noreturn]] void recover_from_failure(const std::string& error);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
