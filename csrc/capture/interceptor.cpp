@@ -27,9 +27,13 @@ bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
 // The open region, unless this op must go through untouched. Code that steps outside every
 // TorchDispatchMode (torch.tensor() filling its buffer, a mode's own handler) excludes the Python
 // key; we step aside for it too, so that we see exactly the ops a TorchDispatchMode would.
+// Ops a kernel issues while the region runs it for real (or while the region does its own work)
+// are the kernel's business, not the program's: they run untouched (Region::handling_on_this_thread).
 Region* intercepting() {
   Region* region = active_region();
-  if (region == nullptr || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) return nullptr;
+  if (region == nullptr || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python) ||
+      Region::handling_on_this_thread())
+    return nullptr;
   return region;
 }
 

@@ -120,7 +120,7 @@ void Region::close() {
   produced_storage_ = decltype(produced_storage_)();
 }
 
-ValueRef Region::reference(const at::Tensor& t) {
+std::optional<ValueRef> Region::find_produced(const at::Tensor& t) const {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (const Produced* p = produced_.find(impl)) return p->ref;
   if (t.has_storage()) {
@@ -134,6 +134,12 @@ ValueRef Region::reference(const at::Tensor& t) {
       }
     }
   }
+  return std::nullopt;
+}
+
+ValueRef Region::reference(const at::Tensor& t) {
+  if (std::optional<ValueRef> ref = find_produced(t)) return *ref;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_wrapped_number()) {
     // The arg parser's wrapped Python scalars live for one call and do not own their memory
     // beyond it: keep a copy (the graph reads it when it is fed), which is also the identity.
@@ -250,30 +256,62 @@ uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* nod
                            [node] { return node->name(); });
 }
 
+namespace {
+
+// The thread is inside Region::handle (see Region::handling_on_this_thread).
+thread_local bool t_handling = false;
+
+// The GIL for the location walk, released on every path (an exception thrown while it is held
+// would leave the main thread holding it, and the autograd engine's gil_scoped_release waits
+// for it forever).
+class GilForLocations {
+ public:
+  explicit GilForLocations(bool take) : held_(take) {
+    if (held_) state_ = PyGILState_Ensure();
+  }
+  ~GilForLocations() { release(); }
+  void release() {
+    if (!held_) return;
+    held_ = false;
+    PyGILState_Release(state_);
+  }
+  GilForLocations(const GilForLocations&) = delete;
+  GilForLocations& operator=(const GilForLocations&) = delete;
+
+ private:
+  bool held_;
+  PyGILState_STATE state_{};
+};
+
+}  // namespace
+
+bool Region::handling_on_this_thread() { return t_handling; }
+
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t nargs = op.schema().arguments().size();
+  // Our own work, and the kernels we run for real, never come back here: the interceptor lets
+  // their ops through (handling_on_this_thread), so mu_ is never taken twice by one thread.
+  struct Handling {
+    Handling() { t_handling = true; }
+    ~Handling() { t_handling = false; }
+  } handling;
   // Forward ops need the GIL to read the Python stack (torch's bindings released it). Lock
   // order is always GIL -> mu_; backward ops on engine threads take no GIL at all.
   auto node = torch::autograd::get_current_node();
   const bool has_python = PyGILState_GetThisThreadState() != nullptr;
-  PyGILState_STATE gil{};
-  if (has_python) gil = PyGILState_Ensure();
-  // Our own work runs with interception suspended; an op arriving here from inside it would
-  // deadlock on mu_, so it is a bug to report, not to wait on.
-  static thread_local bool inside = false;
-  TORCH_CHECK(!inside, "terra_torch internal error: ", c10::toString(op.operator_name()),
-              " was intercepted while the interceptor was handling another op");
-  struct Inside {
-    Inside() { inside = true; }
-    ~Inside() { inside = false; }
-  } inside_guard;
+  GilForLocations gil(has_python);
   std::lock_guard<std::mutex> lock(mu_);
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
   OpRecord& rec = trace_.ops.emplace_back(op);
   bool guarded = false;
-  rec.location = locate(rec, index, node.get(), has_python, &guarded);
-  if (has_python) PyGILState_Release(gil);
+  try {
+    rec.location = locate(rec, index, node.get(), has_python, &guarded);
+  } catch (...) {
+    trace_.ops.pop_back();
+    throw;
+  }
+  gil.release();
   rec.checked = guarded && checks_argument_values(op);
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
@@ -293,6 +331,27 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     throw;
   }
   record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
+}
+
+int32_t Region::append_record(const OpRecord& rec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  trace_.ops.push_back(rec);
+  return static_cast<int32_t>(trace_.ops.size() - 1);
+}
+
+ValueRef Region::value_of(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reference(t);
+}
+
+std::optional<ValueRef> Region::produced(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find_produced(t);
+}
+
+void Region::set_produced(const at::Tensor& t, int32_t record, int32_t output) {
+  std::lock_guard<std::mutex> lock(mu_);
+  produce(t, record, output);
 }
 
 void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,

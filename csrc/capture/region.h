@@ -59,6 +59,25 @@ class Region {
   // The interceptor's entry: every aten op of the region arrives here.
   void handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
+  // True on a thread that is inside handle(): an op arriving then was issued by a kernel the
+  // region runs for real (an SDPA backward calls aten::transpose through the dispatcher, and
+  // placeholders bound to values still carry our key), or by the region's own work. It is not
+  // an op of the user's program: the interceptor runs it untouched (interceptor.cpp).
+  static bool handling_on_this_thread();
+
+  // ---- replay (runtime/backward_replay.cpp) ----
+  // Appends a copy of a record that an earlier iteration captured (its inputs refer to records
+  // and externals of this region by index); returns its index. Takes mu_.
+  int32_t append_record(const OpRecord& rec);
+  // The value reference of `t` in this region, adding it as an external input if it is none
+  // of the region's values (what an op reading it would record).
+  ValueRef value_of(const at::Tensor& t);
+  // The value reference of `t` if the region produced it; nothing is added.
+  std::optional<ValueRef> produced(const at::Tensor& t);
+  // Output `output` of record `record` is `t` from now on (an in-place op's output, or a
+  // placeholder made for a replayed record).
+  void set_produced(const at::Tensor& t, int32_t record, int32_t output);
+
  private:
   struct Produced {
     // Pins the address, not the tensor. Optional only so that table slots can start empty.
@@ -66,7 +85,8 @@ class Region {
     ValueRef ref;
   };
 
-  ValueRef reference(const at::Tensor& t);
+  ValueRef reference(const at::Tensor& t);  // value_of() without the lock
+  std::optional<ValueRef> find_produced(const at::Tensor& t) const;  // produced() without the lock
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool* guarded);
   // Co-execution of a checked op: its inputs get their values and it runs once for real on

@@ -47,6 +47,11 @@ py::dict session_stats(Session& s) {
   d["graph_stream_id"] = c.worker_stream ? c.worker_stream->id() : 0;
   d["graph_stream_device"] = c.worker_stream ? c.worker_stream->device().str() : std::string();
   d["table_size"] = s.runner().table_size();
+  const runtime::PythonRunner::BackwardStats& b = s.runner().backward_stats();
+  d["backward_replayed"] = b.replayed;
+  d["backward_recorded"] = b.recorded;
+  d["backward_per_op"] = b.per_op;
+  d["backward_reason"] = b.reason;
   if (const emit::EmittedGraph* e = s.emitted()) {
     // Reads where the graph picks the producer Python read, and ops checked before it runs them.
     d["selected_reads"] = e->num_selections;
@@ -103,6 +108,43 @@ void init_session(py::module_& m) {
       .def(
           "close", [](Session& s, capture::Region& region, bool partial) { return s.close_region(region, partial); },
           py::arg("region"), py::arg("partial") = false)
+      .def(
+          "backward_begin",
+          [](Session& s, capture::Region& region, const std::vector<std::optional<at::Tensor>>& roots,
+             const std::vector<std::optional<at::Tensor>>& grads, bool keep_graph, bool create_graph, bool has_inputs,
+             bool accumulate_grad) -> std::string {
+            if (!s.has_runner()) return "per_op";
+            runtime::BackwardCall call;
+            for (const auto& t : roots) call.roots.push_back(t.value_or(at::Tensor()));
+            for (const auto& g : grads) call.grads.push_back(g.value_or(at::Tensor()));
+            call.keep_graph = keep_graph;
+            call.create_graph = create_graph;
+            call.has_inputs = has_inputs;
+            call.accumulate_grad = accumulate_grad;
+            runtime::PythonRunner::BackwardPath path;
+            {
+              py::gil_scoped_release no_gil;  // posts and value-table locks, as on the per-op path
+              path = s.runner().begin_backward(region, call);
+            }
+            switch (path) {
+              case runtime::PythonRunner::BackwardPath::kReplayed:
+                return "replayed";
+              case runtime::PythonRunner::BackwardPath::kRecording:
+                return "recording";
+              default:
+                return "per_op";
+            }
+          },
+          py::arg("region"), py::arg("roots"), py::arg("grads"), py::arg("keep_graph"), py::arg("create_graph"),
+          py::arg("has_inputs"), py::arg("accumulate_grad"),
+          "Before the autograd engine runs in a co-executed iteration: 'replayed' (done, do not run it), "
+          "'recording' or 'per_op' (run it, then backward_end)")
+      .def(
+          "backward_end",
+          [](Session& s, capture::Region& region, bool completed) {
+            if (s.has_runner()) s.runner().end_backward(region, completed);
+          },
+          py::arg("region"), py::arg("completed"))
       .def("divergence",
            [](Session& s) -> py::object {
              if (!s.has_runner() || !s.runner().diverged()) return py::none();

@@ -23,6 +23,7 @@
 #include "capture/value_checks.h"
 #include "runtime/executor.h"
 #include "runtime/gil_release.h"
+#include "trace/hash.h"
 
 namespace terra::runtime {
 
@@ -109,6 +110,8 @@ void PythonRunner::begin_iteration() {
     recover_from_failure(describe_failure(e.what()));
   }
   cursor_.reset();
+  path_ = 0;
+  recording_.reset();
   record_nodes_.clear();
   latest_.clear();
   diverged_ = false;
@@ -158,6 +161,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(op_name(rec) + " is not where the traced iterations had it", index);
   const trace::NodeId node = m.node;
+  path_ = trace::hash_combine(path_, node);
   const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
 
   // The data flow must be the graph's too; checked for every input before anything is posted.
@@ -257,9 +261,10 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
+  if (emitted && emitted_.node_gated[node]) plan_.push_back(gate(node));
+  if (recording_) record_step(region, key, node, host || needs_data);
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
-  if (emitted && emitted_.node_gated[node]) post(gate(node));
   record_nodes_[index] = node;
   if (host || needs_data) return Verdict::kRunReal;
   ++stats_.placeholders;
@@ -270,6 +275,7 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   // A read: everything Python validated so far must have run (the op may read a tensor the
   // graph updates in place), and the placeholders it reads get their values.
   ++stats_.reads;
+  if (recording_) not_replayable("the backward reads data");
   flush();
   wait_for_graph(values_->expected());
   auto give_value = [&](const at::Tensor& t) {
@@ -324,7 +330,9 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
 }
 
 bool PythonRunner::check_first(const capture::OpRecord& rec) {
-  return !diverged_ && program_.is_check(rec.location, rec.op);
+  const bool check = !diverged_ && program_.is_check(rec.location, rec.op);
+  if (check && recording_) not_replayable("an op of the backward is checked before the graph runs it");
+  return check;
 }
 
 PythonRunner::Verdict PythonRunner::check_raised(const capture::Region& region, const capture::OpRecord& rec,

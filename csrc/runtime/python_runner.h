@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "capture/coexec_hook.h"
+#include "runtime/backward_replay.h"
 #include "emit/captured_program.h"
 #include "emit/emitted_graph.h"
 #include "runtime/channels.h"
@@ -80,6 +81,23 @@ class PythonRunner final : public capture::CoExecHook {
   // Stops the graph for good (the Session is regenerating it or going away); live placeholders
   // get their values first.
   void shut_down();
+
+  // ---- backward() calls (runtime/backward_replay.h; Python thread) ----
+  enum class BackwardPath {
+    kPerOp,      // run the engine; nothing to do afterwards (end_backward is harmless)
+    kRecording,  // run the engine, then end_backward(): it becomes a memo if it qualifies
+    kReplayed,   // done: the engine must not run
+  };
+  BackwardPath begin_backward(capture::Region& region, const BackwardCall& call);
+  // After the engine returned (`completed`) or raised.
+  void end_backward(capture::Region& region, bool completed);
+  struct BackwardStats {
+    int64_t replayed = 0;
+    int64_t recorded = 0;
+    int64_t per_op = 0;  // calls that had to run the engine (and why, last time)
+    std::string reason;
+  };
+  const BackwardStats& backward_stats() const { return backward_stats_; }
 
   PythonRunnerStats stats() const { return stats_; }
   RunnerStats graph_stats() const { return runner_->stats(); }
@@ -144,6 +162,11 @@ class PythonRunner final : public capture::CoExecHook {
       const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
       const std::vector<trace::Source>& sources);
   void drain_outcomes(bool block);
+  // backward_replay.cpp
+  BackwardPath per_op(std::string why);
+  void not_replayable(std::string why);
+  void record_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
+  void replay(capture::Region& region, const BackwardMemo& memo, const AutogradReach& reach, const BackwardCall& call);
 
   emit::CapturedProgram& program_;
   const std::vector<std::vector<std::string>>* node_frames_;
@@ -180,6 +203,12 @@ class PythonRunner final : public capture::CoExecHook {
   std::string reason_;
   int32_t divergence_record_ = -1;
   PythonRunnerStats stats_;
+  // backward(): the nodes the cursor matched so far in this iteration, hashed (part of a memo's
+  // key), the call being recorded, and the memos of this graph.
+  uint64_t path_ = 0;
+  std::unique_ptr<BackwardRecording> recording_;
+  std::vector<BackwardMemo> memos_;
+  BackwardStats backward_stats_;
 };
 
 }  // namespace terra::runtime

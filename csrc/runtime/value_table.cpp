@@ -64,6 +64,8 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   if (e.published && !holder.defined()) {
     dropped = std::move(e.value);
     entries_.erase(index);
+  } else if (holder.defined()) {
+    held_.push_back(index);
   }
   return index;
 }
@@ -165,17 +167,25 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
 void ValueTable::sweep() {
   std::vector<at::Tensor> dropped;
   std::lock_guard lock(mu_);
-  entries_.erase_if([&](int64_t, Entry& e) {
-    if (!(e.expected && e.published && dead(e))) return false;
-    dropped.push_back(std::move(e.value));
-    return true;
-  });
+  size_t kept = 0;
+  for (const int64_t index : held_) {
+    Entry* e = entries_.find(index);
+    if (e == nullptr) continue;  // retired, taken or dropped at publish
+    if (e->expected && e->published && dead(*e)) {
+      dropped.push_back(std::move(e->value));
+      entries_.erase(index);
+      continue;
+    }
+    held_[kept++] = index;
+  }
+  held_.resize(kept);
 }
 
 void ValueTable::clear() {
   common::FlatMap<int64_t, Entry> dropped;
   std::lock_guard lock(mu_);
   std::swap(dropped, entries_);
+  held_.clear();
   published_ = 0;
   expected_ = 0;
 }

@@ -60,7 +60,9 @@ class ValueTable {
   // the holder if it is still alive, else a tensor over its storage that some other tensor
   // (autograd's saved copy of an output, a view) still uses; and the value.
   std::vector<std::pair<at::Tensor, at::Tensor>> live_values() const;
-  // Drops every entry whose holder has died and that both sides have passed.
+  // Drops every entry whose holder has died and that both sides have passed. Costs the entries
+  // kept for a holder since the last sweep, not the table: the others go as soon as both sides
+  // have passed them (expect, publish).
   void sweep();
   // Forgets everything and restarts both counters at 0 (the graph must be stopped).
   void clear();
@@ -96,6 +98,8 @@ class ValueTable {
   // Open addressing: every output of the program claims an entry and most are dropped within the
   // iteration; a node-based map paid a malloc and a free for each.
   common::FlatMap<int64_t, Entry> entries_;
+  // Indices expect() kept for a live holder: the only entries sweep() has to look at.
+  std::vector<int64_t> held_;
   int64_t published_ = 0;
   int64_t expected_ = 0;
 };
