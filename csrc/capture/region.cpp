@@ -301,6 +301,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   const bool has_python = PyGILState_GetThisThreadState() != nullptr;
   GilForLocations gil(has_python);
   std::lock_guard<std::mutex> lock(mu_);
+  ++handled_;
   // Built in place: a record is too large to move around cheaply.
   const int32_t index = static_cast<int32_t>(trace_.ops.size());
   OpRecord& rec = trace_.ops.emplace_back(op);

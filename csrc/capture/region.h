@@ -64,6 +64,8 @@ class Region {
   // placeholders bound to values still carry our key), or by the region's own work. It is not
   // an op of the user's program: the interceptor runs it untouched (interceptor.cpp).
   static bool handling_on_this_thread();
+  // How many ops handle() has seen (records appended by a replay are not counted).
+  int64_t handled() const { return handled_; }
 
   // ---- replay (runtime/backward_replay.cpp) ----
   // Appends a copy of a record that an earlier iteration captured (its inputs refer to records
@@ -133,6 +135,7 @@ class Region {
   uint64_t backward_index_ = 0;
   c10::SmallVector<LoopFrame, 2> last_loops_;
   std::vector<uint64_t> raised_;
+  int64_t handled_ = 0;
 };
 
 // The region ops are routed to, or nullptr.

@@ -88,6 +88,8 @@ void init_capture(py::module_& m) {
            "The outermost frame runs the training loop: its loops are not program loops")
       .def("close", &Region::close)
       .def_property_readonly("is_open", &Region::is_open)
+      .def_property_readonly("handled", &Region::handled,
+                             "Ops the interceptor brought to this region (replayed records are not among them)")
       .def("ops", &ops_of)
       .def("externals",
            [](const Region& r) {
