@@ -92,8 +92,7 @@ class Program:
         self._region: Any = None
         self._region_phase = ""
         self._t0 = 0
-        self._stall0 = 0
-        self._counts0: dict[str, int] = {}
+        self._counts0: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._timeline = Timeline()
         self._monitor = _log.DivergenceMonitor()
         _programs.add(self)
@@ -130,9 +129,7 @@ class Program:
                 self._region = _C.Region("record", stop_frame)
                 self._region.ignore_outermost_loops()
                 self._region.open()
-            raw = self._session.stats
-            self._stall0 = int(raw.get("python_stall_ns", 0))
-            self._counts0 = {k: int(raw.get(k, 0)) for k in ("decisions", "feeds", "python_reads")}
+            self._counts0 = self._session.counters()  # (stall_ns, decisions, feeds, reads)
 
     def end(self, partial: bool = False) -> None:
         """End the open iteration: merge its trace, move between phases. `partial`: the iteration
@@ -155,11 +152,11 @@ class Program:
                                     time.monotonic_ns() - self._t0)
             if phase == "coexec":
                 diverged = self._session.close(region, partial)
-                raw = self._session.stats
-                stall = (int(raw.get("python_stall_ns", 0)) - self._stall0) / 1e9
+                counts = self._session.counters()
+                stall = (counts[0] - self._counts0[0]) / 1e9
                 self._stats.python_stall_s += stall
                 self._stats.python_exec_s += max(0.0, elapsed - stall)
-                self._record_iteration_events(stall, raw)
+                self._record_iteration_events(stall, counts)
                 if diverged:
                     fallback = self._record_fallback(region)
                     self._session.add(region)
@@ -220,15 +217,16 @@ class Program:
         _log.phase_transition(self.name, old, phase, self.iteration, reason)
         self._timeline.instant(f"{old} -> {phase}", "decision", PYTHON_RUNNER, args={"reason": reason})
 
-    def _record_iteration_events(self, stall_s: float, raw: dict[str, int]) -> None:
+    def _record_iteration_events(self, stall_s: float, counts: tuple[int, int, int, int]) -> None:
         # Where in the iteration Python waited is not recorded, only how long: the stall is
         # drawn at the iteration's end, and the channel traffic as counters.
         now = time.monotonic_ns()
         if stall_s > 0:
             self._timeline.complete("stalled on the graph", "stall", PYTHON_RUNNER, now - int(stall_s * 1e9),
                                     int(stall_s * 1e9), {"position": "approximate"})
-        self._timeline.counter("channel", {k: int(raw.get(k, 0)) - v for k, v in self._counts0.items()}, now,
-                               cat="feed")
+        c0 = self._counts0
+        self._timeline.counter("channel", {"decisions": counts[1] - c0[1], "feeds": counts[2] - c0[2],
+                                           "python_reads": counts[3] - c0[3]}, now, cat="feed")
 
     def timeline(self) -> Timeline:
         """Both runners on one time axis (Chrome trace JSON: .save(path), open in Perfetto)."""

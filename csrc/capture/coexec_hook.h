@@ -4,7 +4,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
 #include <c10/util/ArrayRef.h>
 
 #include <cstddef>
@@ -45,6 +47,15 @@ class CoExecHook {
   // waits at the op's gate, and Python's next op picks the path), else kDiverged (the graph is
   // stopped and the rest of the region records real ops).
   virtual Verdict check_raised(const Region& region, const OpRecord& rec, int32_t index) = 0;
+
+  // Values Python knows itself (runtime/known_values.h). `out`: `args` with every tensor replaced
+  // by its known value; false if some tensor has none. A read (`read`: the op needs data) whose
+  // arguments are all known runs on them instead of waiting for the graph.
+  virtual bool known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) = 0;
+  // After an op answered with placeholders whose arguments were all known (`known`): its outputs'
+  // values follow from them.
+  virtual void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
+                            c10::ArrayRef<at::Tensor> outputs) = 0;
 };
 
 }  // namespace terra::capture

@@ -396,11 +396,17 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
   if (host || needs_data) {
     // Runs first, validated after: an op that raises (a shape error the meta kernel reported
     // in its own words) raises eager's error and leaves no record and no step of the graph.
+    const c10::SmallVector<c10::IValue, 6> inputs(args.begin(), args.end());  // the stack is reused
+    torch::jit::Stack known;
     if (needs_data) {
       rec.needs_materialization = true;
-      hook_->materialize_inputs(args);
+      if (hook_->known_arguments(args, true, known)) {
+        // Python knows every input's value: the op reads those, not the graph's (no wait).
+        for (size_t i = 0; i < known.size(); ++i) (*stack)[stack->size() - known.size() + i] = known[i];
+      } else {
+        hook_->materialize_inputs(args);
+      }
     }
-    const c10::SmallVector<c10::IValue, 6> inputs(args.begin(), args.end());  // the stack is reused
     try {
       run_real(op, ks, stack);
     } catch (...) {
@@ -423,8 +429,12 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     mode_ = Mode::Record;
     return false;
   }
+  torch::jit::Stack known;
+  const bool follows = hook_->known_arguments(args, false, known);  // (before the arguments leave the stack)
   run_placeholder(op, *inferred, rec, index, args, stack);
-  hook_->outputs(index, flatten());
+  const c10::SmallVector<at::Tensor, 4> outputs = flatten();
+  hook_->outputs(index, outputs);
+  if (follows) hook_->follow_known(op, known, outputs);
   return true;
 }
 

@@ -37,6 +37,7 @@ py::dict session_stats(Session& s) {
   d["python_stall_ns"] = p.stall_ns;
   d["divergences"] = p.divergences;
   d["materialized"] = p.materialized;
+  d["known_reads"] = p.known_reads;
   d["graph_iterations_run"] = g.iterations_run;
   d["graph_iterations_failed"] = g.iterations_failed;
   d["graph_exec_ns"] = g.exec_ns;
@@ -176,6 +177,16 @@ void init_session(py::module_& m) {
                                return s.emitted() ? s.emitted()->graph->toString() : std::string();
                              })
       .def_property_readonly("stats", &session_stats)
+      .def(
+          "counters",
+          [](Session& s) {
+            // What every iteration boundary reads: a tuple, not stats' dictionary.
+            if (!s.has_runner()) return py::make_tuple(int64_t(0), int64_t(0), int64_t(0), int64_t(0));
+            const runtime::PythonRunnerStats p = s.runner().stats();
+            const runtime::ChannelStats c = s.runner().channel_stats();
+            return py::make_tuple(int64_t(p.stall_ns), int64_t(c.decisions), int64_t(c.feeds), int64_t(p.reads));
+          },
+          "(python_stall_ns, decisions, feeds, python_reads) so far")
       .def_property_readonly("structure", &structure)
       .def("to_dot", &session_dot, py::arg("title") = "")
       .def("graph_spans", [](Session& s) {

@@ -192,6 +192,21 @@ bool GraphRunner::wait_iteration(std::chrono::nanoseconds max_wait) {
   return true;
 }
 
+int64_t GraphRunner::take_finished() {
+  State& s = *state_;
+  int64_t taken = 0;
+  {
+    std::lock_guard lock(s.mu);
+    while (s.finished > s.waited && s.outcomes.front() == nullptr) {
+      s.outcomes.pop_front();
+      ++s.waited;
+      ++taken;
+    }
+  }
+  if (taken > 0) channel_->streams().reader_joins();  // as wait_iteration does
+  return taken;
+}
+
 bool GraphRunner::synchronize(std::chrono::nanoseconds max_wait) {
   State& s = *state_;
   std::exception_ptr first;

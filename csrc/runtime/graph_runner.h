@@ -53,6 +53,10 @@ class GraphRunner {
   // finished (rethrowing its exception if it failed), false on timeout. Throws std::logic_error
   // if every started iteration has been waited for.
   bool wait_iteration(std::chrono::nanoseconds max_wait);
+  // Counts as waited for the iterations that finished without error, oldest first, up to the
+  // first that failed (left for wait_iteration to rethrow); returns how many. Never blocks, so
+  // the caller may hold the GIL.
+  int64_t take_finished();
   // Waits for every started iteration; rethrows the first error among those not yet waited for.
   bool synchronize(std::chrono::nanoseconds max_wait);
   // Stops the running iteration at its next channel op; it fails with `reason`. Queued

@@ -102,8 +102,10 @@ void PythonRunner::begin_iteration() {
   TORCH_CHECK(!in_iteration_, "terra_torch internal error: an iteration is already running");
   try {
     // An earlier graph iteration's error surfaces here (a failed graph cancels the channel at
-    // once; its iteration ends soon after).
-    drain_outcomes(channel_->cancelled());
+    // once; its iteration ends soon after). Otherwise the finished ones are counted without a
+    // wait or a GIL hand-over (a failure the count stops at surfaces at the next wait).
+    if (channel_->cancelled()) drain_outcomes(true);
+    else waited_ += runner_->take_finished();
   } catch (const std::exception& e) {
     // The graph failed in an op Python did not check (an index out of range): what it had
     // not computed is lost. Start clean so that the program can go on after the error.
@@ -119,6 +121,7 @@ void PythonRunner::begin_iteration() {
   divergence_record_ = -1;
   links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
   values_->sweep();
+  if (known_.size() > 64) known_.prune();
   runner_->start_iteration();
   ++started_;
   in_iteration_ = true;
@@ -290,13 +293,27 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
     }
   };
   for (const c10::IValue& a : args) {
-    if (a.isTensor()) give_value(a.toTensor());
-    else if (a.isTensorList())
+    if (a.isTensor()) {
+      give_value(a.toTensor());
+      known_.learn(a.toTensor());  // small CPU tensors: later reads can be answered here
+    } else if (a.isTensorList()) {
       for (const at::Tensor& t : a.toTensorList().vec()) give_value(t);
-    else if (a.isOptionalTensorList())
+    } else if (a.isOptionalTensorList()) {
       for (const c10::IValue& e : a.toListRef())
         if (e.isTensor()) give_value(e.toTensor());
+    }
   }
+}
+
+bool PythonRunner::known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) {
+  if (diverged_ || known_.empty() || !known_.substitute(args, out)) return false;
+  if (read) ++stats_.known_reads;
+  return true;
+}
+
+void PythonRunner::follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
+                                c10::ArrayRef<at::Tensor> outputs) {
+  known_.follow(op, known, outputs);
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
@@ -410,6 +427,7 @@ void PythonRunner::stop_graph(const std::string& why) {
 
 void PythonRunner::recover_from_failure(const std::string& error) {
   stop_graph("the graph failed");
+  known_.clear();  // what the graph had not computed did not happen
   values_->clear();
   links_.clear();
   if (in_iteration_ && !diverged_) {

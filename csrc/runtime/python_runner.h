@@ -26,6 +26,7 @@
 #include "emit/emitted_graph.h"
 #include "runtime/channels.h"
 #include "runtime/graph_runner.h"
+#include "runtime/known_values.h"
 #include "runtime/value_table.h"
 #include "trace/cursor.h"
 #include "trace/program.h"
@@ -39,6 +40,7 @@ struct PythonRunnerStats {
   int64_t stall_ns = 0;        // Python blocked waiting for the graph
   int64_t divergences = 0;
   int64_t materialized = 0;    // placeholders given their value
+  int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
 };
 
 // Co-execution sends posts in batches of this many (and whenever Python waits or an iteration
@@ -112,6 +114,8 @@ class PythonRunner final : public capture::CoExecHook {
   void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
   bool check_first(const capture::OpRecord& rec) override;
   Verdict check_raised(const capture::Region& region, const capture::OpRecord& rec, int32_t index) override;
+  bool known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) override;
+  void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs) override;
 
  private:
   struct Link {  // a tensor whose current value lives in the value table
@@ -209,6 +213,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::unique_ptr<BackwardRecording> recording_;
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
+  KnownValues known_;
 };
 
 }  // namespace terra::runtime
