@@ -37,6 +37,17 @@ std::string_view dtype_name(DType type) { return kDTypes[static_cast<size_t>(typ
 std::string_view layout_name(Layout layout) { return kLayouts[static_cast<size_t>(layout)]; }
 std::string_view math_mode_name(MathMode mode) { return kMathModes[static_cast<size_t>(mode)]; }
 
+MathMode math_mode_for(DType type, bool allow_tf32) {
+  if (type == DType::float16) return MathMode::tensor_op;
+  if (type == DType::float32 && !allow_tf32) return MathMode::fma;
+  return MathMode::default_math;
+}
+
+Layout layout_for(bool channels_last, int spatial) {
+  if (spatial == 3) return channels_last ? Layout::ndhwc : Layout::ncdhw;
+  return channels_last ? Layout::nhwc : Layout::nchw;
+}
+
 uint8_t byte_alignment(const void* pointer) {
   auto address = reinterpret_cast<uintptr_t>(pointer);
   uint8_t align = 16;

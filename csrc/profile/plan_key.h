@@ -31,6 +31,10 @@ std::optional<MathMode> parse_math_mode(std::string_view name);
 std::string_view dtype_name(DType type);
 std::string_view layout_name(Layout layout);
 std::string_view math_mode_name(MathMode mode);
+// The math mode and layout PyTorch's descriptors use (conv_call.h: default_math_mode; ATen's
+// cudnn_conv_suggest_memory_format), as the kernels see them.
+MathMode math_mode_for(DType type, bool allow_tf32);
+Layout layout_for(bool channels_last, int spatial);
 // Largest power of two, at most 16 (cuDNN's widest vector access), that divides the address.
 uint8_t byte_alignment(const void* pointer);
 

@@ -75,6 +75,17 @@ TEST(ProfilePlanKey, KernelsAndRecordKeysBuildTheSameKey) {
   EXPECT_FALSE(make_plan_key(odd, 1));
 }
 
+TEST(ProfilePlanKey, MathModeAndLayoutAgreeWithTheRecordKeys) {
+  // The kernels build PlanKeys from enums, the fake path from ConvKey strings: the same choices.
+  for (const char* dtype : {"float32", "float16", "bfloat16", "float64"})
+    for (bool tf32 : {false, true})
+      EXPECT_EQ(math_mode_name(math_mode_for(*parse_dtype(dtype), tf32)), default_math_mode(dtype, tf32))
+          << dtype << " tf32=" << tf32;
+  EXPECT_EQ(layout_name(layout_for(true, 2)), "nhwc");
+  EXPECT_EQ(layout_name(layout_for(false, 3)), "ncdhw");
+  EXPECT_EQ(layout_name(layout_for(true, 3)), "ndhwc");
+}
+
 TEST(ProfilePlanKey, ByteAlignment) {
   alignas(16) static char buffer[64];
   EXPECT_EQ(byte_alignment(buffer), 16);
