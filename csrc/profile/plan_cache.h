@@ -30,6 +30,11 @@ struct CachedPlan {
 
 class PlanCache {
  public:
+  // PyTorch bounds its plan cache too (TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT, 10000 plans of roughly
+  // 200 KiB). Varying shapes would otherwise grow it without end; when full it starts over,
+  // which costs one plan build per problem still in use, never a profile (the record keeps those).
+  explicit PlanCache(size_t max_plans = 10000) : max_plans_(max_plans) {}
+
   // Plans are only valid for the selector (and reload) they were chosen under; a cache bound to
   // another one forgets everything. Two integer compares on every call.
   void bind(uint64_t selector_id, uint64_t epoch) {
@@ -43,12 +48,16 @@ class PlanCache {
     auto it = plans_.find(key);
     return it == plans_.end() ? nullptr : &it->second;
   }
-  void put(const PlanKey& key, CachedPlan plan) { plans_[key] = std::move(plan); }
+  void put(const PlanKey& key, CachedPlan plan) {
+    if (plans_.size() >= max_plans_ && !plans_.count(key)) plans_.clear();
+    plans_[key] = std::move(plan);
+  }
   void erase(const PlanKey& key) { plans_.erase(key); }
   void clear() { plans_.clear(); }
   size_t size() const { return plans_.size(); }
 
  private:
+  size_t max_plans_;
   uint64_t selector_id_ = 0;
   uint64_t epoch_ = 0;
   std::unordered_map<PlanKey, CachedPlan, PlanKeyHash> plans_;

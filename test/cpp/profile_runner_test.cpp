@@ -235,6 +235,18 @@ TEST(ProfileRunner, EachThreadBuildsItsOwnPlansOnce) {
   EXPECT_EQ(fake.profile_calls(), 1) << "the record is shared between threads";
 }
 
+TEST(ProfileRunner, AFullPlanCacheStartsOverWithoutProfiling) {
+  ScratchDir dir;
+  auto selector = make_selector(dir.file("r.json"));
+  FakeProvider fake;
+  PlanCache cache(/*max_plans=*/3);
+  for (int64_t batch = 1; batch <= 7; ++batch) ASSERT_TRUE(run_convolution(*selector, plan_at(batch), fake, cache).ok);
+  EXPECT_LE(cache.size(), 3u);
+  EXPECT_EQ(fake.build_calls(), 7);
+  EXPECT_EQ(fake.profile_calls(), 1) << "the record still has the entry";
+  EXPECT_EQ(run_convolution(*selector, plan_at(7), fake, cache).source, Source::plan_cache) << "the newest plan is kept";
+}
+
 TEST(ProfileRunner, ReloadingOrAnotherSelectorForgetsThePlans) {
   ScratchDir dir;
   auto selector = make_selector(dir.file("r.json"));
