@@ -20,7 +20,7 @@ import torch
 from terra_torch import profile
 
 DESCRIPTION = """\
-Profile every convolution of a model once (forward + backward) and write the algorithm choices to
+Profile every convolution of a model once (forward + backward) and write the cuDNN engine configurations to
 a profile record (JSON). Later runs that enable the record (terra_torch.profile.enable(path) or
 TERRA_PROFILE_RECORD=path) reuse the choices for every batch size, without profiling.
 """
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "size is enough: the record serves every batch size; list more only to "
                         "check that they run")
     p.add_argument("--workspace-cap", type=_byte_size, metavar="BYTES",
-                   help="largest cuDNN workspace any profiled algorithm may use, e.g. 2GiB or "
+                   help="largest cuDNN workspace any profiled engine configuration may use, e.g. 2GiB or "
                         "512MB (default: $TERRA_PROFILE_WORKSPACE_CAP, else no cap). Algorithms "
                         "needing more are neither timed nor recorded, so profiling cannot "
                         "overshoot memory")
