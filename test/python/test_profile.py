@@ -113,6 +113,24 @@ def test_failing_algorithm_falls_back_to_next_ranked_then_least_memory(tmp_path:
     assert (s["fallbacks"], s["profiles"], s["failures"]) == (2, 1, 0)
 
 
+def test_heuristics_serve_a_batch_no_recorded_configuration_runs_at(tmp_path: Path) -> None:
+    # Engine 4 is recorded at batch 2 but cannot build from batch 8; engine 9 was never timed
+    # (beyond cuDNN's benchmark limit) but is among the heuristics' choices.
+    fake = tp.FakeProvider([{"engine": 4, "time_ms_per_sample": 1.0, "unsupported_from_batch": 8},
+                            {"engine": 9, "time_ms_per_sample": 5.0, "in_profile": False}])
+    tp.enable(tmp_path / "r.json", provider=fake)
+    conv = nn.Conv2d(3, 8, 3)
+    with torch.no_grad():
+        conv(torch.randn(2, 3, 8, 8))
+        assert [c.engine for c in tp.entries()[0].configs] == [4]
+        conv(torch.randn(8, 3, 8, 8))
+    assert fake.built == [4, 4, 9]
+    assert fake.attempted == [4, 9]
+    s = tp.stats()
+    assert (s["heuristic_runs"], s["profiles"], s["failures"]) == (1, 1, 0)
+    assert [c.engine for c in tp.entries()[0].configs] == [4], "a heuristic choice is not written to the record"
+
+
 def test_steady_calls_run_cached_plans(tmp_path: Path) -> None:
     fake = tp.FakeProvider()
     tp.enable(tmp_path / "r.json", provider=fake)
