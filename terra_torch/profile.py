@@ -273,6 +273,13 @@ def enable(path: Union[str, os.PathLike[str], None] = None, workspace_cap_bytes:
     (which is saved first).
     """
     global _selector, _fake_mode, _cuda_kernels
+    if provider is None:
+        # Before any argument check: a script shared with GPU machines may rely on settings
+        # (the variable, a path) that only those have.
+        why = _why_no_cuda()
+        if why is not None:
+            _warn_no_cuda_once(why, stacklevel=2)
+            return
     if path is None:
         path = os.environ.get(ENV_RECORD)
         if not path:
@@ -282,10 +289,6 @@ def enable(path: Union[str, os.PathLike[str], None] = None, workspace_cap_bytes:
     cap = None if workspace_cap_bytes is None else parse_bytes(workspace_cap_bytes)
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if provider is None:
-        why = _why_no_cuda()
-        if why is not None:
-            _warn_no_cuda_once(why, stacklevel=2)
-            return
         header = cuda_header(device)
     elif isinstance(provider, FakeProvider):
         header = fake_header()

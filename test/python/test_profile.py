@@ -199,6 +199,7 @@ def test_without_cuda_enable_warns_once_and_does_nothing(tmp_path: Path) -> None
             from terra_torch import profile as tp
             for _ in range(3):
                 assert tp.enable({str(tmp_path / "r.json")!r}) is None
+            tp.enable()  # no path and no variable: still only the one warning, no ValueError
             assert not tp.is_enabled() and tp.active_path() is None
             nn.Conv2d(3, 4, 3)(torch.randn(1, 3, 8, 8))
             assert tp.stats()["calls"] == 0
