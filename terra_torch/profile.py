@@ -11,9 +11,11 @@ cap, reused by later runs and other batch sizes. See docs/PROFILE_RECORD.md.
     ...train...            # PyTorch's own cuDNN convolutions now consult the record
     tp.disable()           # or let the process end: the record is saved as it grows
 
-Or set TERRA_PROFILE_RECORD=path (and optionally TERRA_PROFILE_WORKSPACE_CAP=2GiB) and call
-`enable_from_env()`. Tests and CPU-only machines use `enable(path, provider=FakeProvider())`,
-which routes CPU convolutions through the same selection policy with a scripted provider.
+Or set TERRA_PROFILE_RECORD=path (and optionally TERRA_PROFILE_WORKSPACE_CAP=2GiB): importing
+terra_torch calls `enable_from_env()`. On a machine without CUDA (or a build of terra_torch without
+it) both warn once and do nothing, so one training script serves CPU and GPU machines. Tests use
+`enable(path, provider=FakeProvider())`, which routes CPU convolutions through the same selection
+policy with a scripted provider.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ logger = logging.getLogger("terra_torch.profile")
 ENV_RECORD = "TERRA_PROFILE_RECORD"
 ENV_WORKSPACE_CAP = "TERRA_PROFILE_WORKSPACE_CAP"
 
-#: Scripted provider for tests: ``FakeProvider([{"algo": 1, "time_ms_per_sample": 2.0,
-#: "workspace_per_sample": 1024, "run_status": "ok", "unsupported_from_batch": 0}, ...])``;
-#: with no argument, three algorithms shaped like cuDNN's forward set.
+#: Scripted provider for tests: ``FakeProvider([{"engine": 1, "time_ms_per_sample": 2.0,
+#: "workspace_per_sample": 1024, "run_status": "ok", "unsupported_from_batch": 0,
+#: "in_heuristics": True, "in_profile": True}, ...])``; with no argument, three engines shaped like
+#: cuDNN's forward set. Counters: profile_calls, heuristics_calls, build_calls, execute_calls;
+#: `attempted` lists the engine of every execute, `built` of every plan build.
 FakeProvider = _P.FakeProvider
 
 FAKE_DEVICE_NAME = "terra_torch fake device"
@@ -56,12 +60,21 @@ class ProfileRecordWarning(UserWarning):
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    algo: int
-    math_type: int
-    name: str
+class EngineConfig:
+    """One cuDNN engine configuration (graph API): the engine's global index and its knob choices
+    identify the kernel; the rest was measured at the entry's profiled batch."""
+    engine: int
+    knobs: tuple[tuple[int, int], ...]  # (cudnnBackendKnobType_t, value), sorted by type
+    tag: str
+    numerical_notes: tuple[str, ...]
     time_ms: float
     workspace_bytes: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        return cls(engine=d["engine"], knobs=tuple(tuple(k) for k in d["knobs"]), tag=d["tag"],
+                   numerical_notes=tuple(d["numerical_notes"]), time_ms=d["time_ms"],
+                   workspace_bytes=d["workspace_bytes"])
 
 
 @dataclass(frozen=True)
@@ -97,12 +110,12 @@ class ConvKey:
 class Entry:
     key: ConvKey
     profiled_batch: int
-    algorithms: tuple[Algorithm, ...]  # fastest first
-    least_memory: Algorithm
+    configs: tuple[EngineConfig, ...]  # fastest first
+    least_memory: EngineConfig
 
     @property
-    def best(self) -> Algorithm:
-        return self.algorithms[0]
+    def best(self) -> EngineConfig:
+        return self.configs[0]
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ class Header:
 @dataclass(frozen=True)
 class Record:
     path: str
-    status: str  # "ok", "missing", "corrupt" or "incompatible"
+    status: str  # "ok", "missing", "corrupt", "outdated" (format 1) or "incompatible"
     header: Optional[Header]
     entries: tuple[Entry, ...]
     problems: tuple[str, ...]
@@ -134,8 +147,8 @@ def _entries_from_canonical(text: str) -> tuple[Optional[Header], tuple[Entry, .
         Entry(
             key=ConvKey.from_dict(e["key"]),
             profiled_batch=e["profiled_batch"],
-            algorithms=tuple(Algorithm(**a) for a in e["algorithms"]),
-            least_memory=Algorithm(**e["least_memory"]),
+            configs=tuple(EngineConfig.from_dict(c) for c in e["configs"]),
+            least_memory=EngineConfig.from_dict(e["least_memory"]),
         )
         for e in doc["entries"]
     )
@@ -143,8 +156,8 @@ def _entries_from_canonical(text: str) -> tuple[Optional[Header], tuple[Entry, .
 
 
 def load(path: Union[str, os.PathLike[str]]) -> Record:
-    """Reads a record for inspection. Never raises for bad content: a corrupt or incompatible
-    file gives a Record with that status, no entries, and a ProfileRecordWarning."""
+    """Reads a record for inspection. Never raises for bad content: a corrupt, outdated (format 1)
+    or incompatible file gives a Record with that status, no entries, and a ProfileRecordWarning."""
     path = os.fspath(os.path.expanduser(path))
     try:
         with open(path, "rb") as f:
@@ -214,16 +227,37 @@ def cuda_header(device: Optional[int] = None) -> dict[str, Any]:
     return header
 
 
-def _require_cuda() -> None:
+def _why_no_cuda() -> Optional[str]:
+    """Why this process cannot use a CUDA record, or None when it can."""
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            "convolution profile records need a CUDA device: torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}). For tests on CPU pass provider=FakeProvider().")
+        return ("convolution profile records need a CUDA device: torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}). For tests on CPU pass provider=FakeProvider().")
     if not _P.with_cuda:
-        raise RuntimeError(
-            "terra_torch._C was built without CUDA/cuDNN support, so it cannot profile "
-            "convolutions; rebuild it on a machine with the CUDA toolkit and a CUDA build of torch "
-            "(pip install -e . --no-build-isolation).")
+        return ("terra_torch._C was built without CUDA/cuDNN support, so it cannot profile "
+                "convolutions; rebuild it on a machine with the CUDA toolkit and a CUDA build of torch "
+                "(pip install -e . --no-build-isolation).")
+    return None
+
+
+def _require_cuda() -> None:
+    why = _why_no_cuda()
+    if why is not None:
+        raise RuntimeError(why)
+
+
+_warned_no_cuda = False
+
+
+def _warn_no_cuda_once(why: str, stacklevel: int) -> None:
+    # Once per process, whatever the warning filters say: a script shared between CPU and GPU
+    # machines calls enable() (or sets the variable) unconditionally, and must neither crash nor
+    # repeat itself on the CPU ones (issue 17, item 4).
+    global _warned_no_cuda
+    if _warned_no_cuda:
+        return
+    _warned_no_cuda = True
+    warnings.warn(f"{why} The profile record is not used; convolutions run as PyTorch chooses.",
+                  ProfileRecordWarning, stacklevel=stacklevel + 1)
 
 
 def enable(path: Union[str, os.PathLike[str], None] = None, workspace_cap_bytes: Union[int, str, None] = None,
@@ -234,10 +268,18 @@ def enable(path: Union[str, os.PathLike[str], None] = None, workspace_cap_bytes:
     workspace_cap_bytes bounds the workspace of every algorithm profiled or run, so profiling
     cannot overshoot memory (default: $TERRA_PROFILE_WORKSPACE_CAP, else no cap, as cuDNN's own
     benchmark). provider=FakeProvider(...) runs the policy on CPU convolutions for tests; without
-    it a CUDA device and a CUDA build of terra_torch are required. Enabling again replaces the
-    previous record (which is saved first).
+    it, on a machine without a CUDA device or with a build of terra_torch without CUDA, it warns
+    once (ProfileRecordWarning) and does nothing. Enabling again replaces the previous record
+    (which is saved first).
     """
     global _selector, _fake_mode, _cuda_kernels
+    if provider is None:
+        # Before any argument check: a script shared with GPU machines may rely on settings
+        # (the variable, a path) that only those have.
+        why = _why_no_cuda()
+        if why is not None:
+            _warn_no_cuda_once(why, stacklevel=2)
+            return
     if path is None:
         path = os.environ.get(ENV_RECORD)
         if not path:
@@ -247,7 +289,7 @@ def enable(path: Union[str, os.PathLike[str], None] = None, workspace_cap_bytes:
     cap = None if workspace_cap_bytes is None else parse_bytes(workspace_cap_bytes)
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if provider is None:
-        header = cuda_header(device)  # raises a clear error without CUDA
+        header = cuda_header(device)
     elif isinstance(provider, FakeProvider):
         header = fake_header()
     else:
@@ -292,8 +334,13 @@ def disable() -> None:
 
 def enable_from_env() -> bool:
     """Enables the record named by $TERRA_PROFILE_RECORD, if set. Warns instead of raising (it is
-    called at import), e.g. on a machine without CUDA. Returns whether a record is enabled."""
+    called at import): without CUDA once per process, as enable(). Returns whether a record is
+    enabled."""
     if not os.environ.get(ENV_RECORD):
+        return False
+    why = _why_no_cuda()
+    if why is not None:
+        _warn_no_cuda_once(f"{ENV_RECORD} is set but the record is not used: {why}", stacklevel=2)
         return False
     try:
         enable()
@@ -301,7 +348,7 @@ def enable_from_env() -> bool:
         warnings.warn(f"{ENV_RECORD} is set but the record is not used: {e}", ProfileRecordWarning,
                       stacklevel=2)
         return False
-    return True
+    return is_enabled()
 
 
 def is_enabled() -> bool:
@@ -317,13 +364,18 @@ def flush() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counters of the enabled record: calls, memo_hits, record_hits, profiles, fallbacks,
-    failures. All zero when nothing is enabled."""
+    """Counters of the enabled record: calls, plan_hits (a cached execution plan ran), plan_builds,
+    record_hits (a cache miss found its entry), profiles, heuristic_runs, fallbacks, failures. All
+    zero when nothing is enabled."""
     selector = _selector
     if selector is None:
-        return {k: 0 for k in ("calls", "memo_hits", "record_hits", "profiles", "fallbacks", "failures")}
+        return {k: 0 for k in STAT_NAMES}
     _emit(selector.drain())
     return dict(selector.stats())
+
+
+STAT_NAMES = ("calls", "plan_hits", "plan_builds", "record_hits", "profiles", "heuristic_runs", "fallbacks",
+              "failures")
 
 
 def entries() -> list[Entry]:
@@ -394,8 +446,8 @@ class _FakeConvolutionMode(TorchDispatchMode):
         outcome = self.selector.run(key, batch, self.provider)
         _emit(self.selector.drain())
         if outcome["ok"]:
-            logger.debug("%s %s batch %d: algo %d (%s)", pass_, _P.key_id(key), batch,
-                         outcome["algo"]["algo"], outcome["source"])
+            logger.debug("%s %s batch %d: %s (%s)", pass_, _P.key_id(key), batch,
+                         outcome["config"]["tag"], outcome["source"])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))

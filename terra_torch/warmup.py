@@ -20,7 +20,7 @@ import torch
 from terra_torch import profile
 
 DESCRIPTION = """\
-Profile every convolution of a model once (forward + backward) and write the algorithm choices to
+Profile every convolution of a model once (forward + backward) and write the cuDNN engine configurations to
 a profile record (JSON). Later runs that enable the record (terra_torch.profile.enable(path) or
 TERRA_PROFILE_RECORD=path) reuse the choices for every batch size, without profiling.
 """
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "size is enough: the record serves every batch size; list more only to "
                         "check that they run")
     p.add_argument("--workspace-cap", type=_byte_size, metavar="BYTES",
-                   help="largest cuDNN workspace any profiled algorithm may use, e.g. 2GiB or "
+                   help="largest cuDNN workspace any profiled engine configuration may use, e.g. 2GiB or "
                         "512MB (default: $TERRA_PROFILE_WORKSPACE_CAP, else no cap). Algorithms "
                         "needing more are neither timed nor recorded, so profiling cannot "
                         "overshoot memory")
@@ -182,6 +182,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          f"torch.cuda.is_available() is False here (torch {torch.__version__}). "
                          "Run this on the GPU machine that will train (the record is per GPU "
                          "type), or pass --fake-provider to test the script on CPU.")
+        if not profile._P.with_cuda:
+            return _fail("this build of terra_torch has no CUDA/cuDNN support, so it cannot profile "
+                         "convolutions; rebuild it on a machine with the CUDA toolkit and a CUDA "
+                         "build of torch (pip install -e . --no-build-isolation).")
 
     try:
         factory = load_factory(args.model)
@@ -218,6 +222,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        device=device.index if device.type == "cuda" else None)
     except (RuntimeError, ValueError, OSError) as e:
         return _fail(str(e))
+    if not profile.is_enabled():  # enable() only warns where the record cannot be used
+        return _fail("the profile record could not be enabled (see the warning above)")
 
     progress: Optional[Progress] = None
 

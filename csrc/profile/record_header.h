@@ -10,7 +10,10 @@
 
 namespace terra::profile {
 
-inline constexpr int kFormatVersion = 1;
+// 2: engine configurations of cuDNN's graph API (entry.h). 1: legacy algorithm enums, which this
+// build does not replay; such files are reported and their convolutions profiled again.
+inline constexpr int kFormatVersion = 2;
+inline constexpr int kLegacyFormatVersion = 1;
 inline constexpr const char* kFormatName = "terra_torch.conv_profile_record";
 
 struct RecordHeader {

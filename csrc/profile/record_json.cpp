@@ -29,22 +29,26 @@ json key_to_json(const ConvKey& key) {
               {"deterministic", key.deterministic}};
 }
 
-json perf_to_json(const AlgoPerf& perf) {
-  return json{{"algo", perf.algo},
-              {"math_type", perf.math_type},
-              {"name", perf.name},
-              {"time_ms", perf.time_ms},
-              {"workspace_bytes", perf.workspace_bytes}};
+json config_to_json(const EngineConfig& c) {
+  // Knobs as [type, value] pairs: compact, and their order (sorted by type) is part of the bytes.
+  json knobs = json::array();
+  for (const Knob& k : c.knobs) knobs.push_back(json::array({k.type, k.value}));
+  return json{{"engine", c.engine},
+              {"knobs", std::move(knobs)},
+              {"tag", c.tag},
+              {"numerical_notes", c.numerical_notes},
+              {"time_ms", c.time_ms},
+              {"workspace_bytes", c.workspace_bytes}};
 }
 
 json entry_to_json(const Entry& entry) {
-  json algorithms = json::array();
-  for (const AlgoPerf& perf : entry.algorithms) algorithms.push_back(perf_to_json(perf));
+  json configs = json::array();
+  for (const EngineConfig& c : entry.configs) configs.push_back(config_to_json(c));
   return json{{"id", entry.key.id()},
               {"key", key_to_json(entry.key)},
               {"profiled_batch", entry.profiled_batch},
-              {"algorithms", std::move(algorithms)},
-              {"least_memory", perf_to_json(entry.least_memory)}};
+              {"configs", std::move(configs)},
+              {"least_memory", config_to_json(entry.least_memory)}};
 }
 
 // The readers below throw std::runtime_error (or json's own exceptions) with a sentence; the
@@ -102,19 +106,36 @@ ConvKey key_from_json(const json& j) {
   return key;
 }
 
-AlgoPerf perf_from_json(const json& j) {
-  AlgoPerf perf;
-  perf.algo = static_cast<int>(read_int(j, "algo"));
-  perf.math_type = static_cast<int>(read_int(j, "math_type"));
-  perf.name = read_string(j, "name");
+EngineConfig config_from_json(const json& j) {
+  EngineConfig c;
+  c.engine = read_int(j, "engine");
+  if (c.engine < 0) fail("'engine' is negative");
+  const json& knobs = field(j, "knobs");
+  if (!knobs.is_array()) fail("'knobs' is not a list");
+  for (const json& k : knobs) {
+    if (!k.is_array() || k.size() != 2 || !k[0].is_number_integer() || !k[1].is_number_integer())
+      fail("a knob is not an [type, value] pair of integers");
+    c.knobs.push_back(Knob{k[0].get<int64_t>(), k[1].get<int64_t>()});
+  }
+  // Sorted and unique by type, as written: a hand edit that breaks this would make two spellings
+  // of one configuration, and same_config() compares the lists.
+  for (size_t i = 1; i < c.knobs.size(); ++i)
+    if (c.knobs[i - 1].type >= c.knobs[i].type) fail("'knobs' are not sorted by type, or repeat one");
+  c.tag = read_string(j, "tag");
+  const json& notes = field(j, "numerical_notes");
+  if (!notes.is_array()) fail("'numerical_notes' is not a list");
+  for (const json& n : notes) {
+    if (!n.is_string()) fail("'numerical_notes' holds a non-string");
+    c.numerical_notes.push_back(n.get<std::string>());
+  }
   const json& time = field(j, "time_ms");
   if (!time.is_number() || !std::isfinite(time.get<double>()) || time.get<double>() < 0)
     fail("'time_ms' is not a non-negative number");
-  perf.time_ms = time.get<double>();
+  c.time_ms = time.get<double>();
   int64_t workspace = read_int(j, "workspace_bytes");
   if (workspace < 0) fail("'workspace_bytes' is negative");
-  perf.workspace_bytes = static_cast<uint64_t>(workspace);
-  return perf;
+  c.workspace_bytes = static_cast<uint64_t>(workspace);
+  return c;
 }
 
 Entry entry_from_json(const json& j) {
@@ -122,10 +143,10 @@ Entry entry_from_json(const json& j) {
   entry.key = key_from_json(field(j, "key"));
   entry.profiled_batch = read_int(j, "profiled_batch");
   if (entry.profiled_batch < 1) fail("'profiled_batch' must be >= 1");
-  const json& algorithms = field(j, "algorithms");
-  if (!algorithms.is_array() || algorithms.empty()) fail("'algorithms' is not a non-empty list");
-  for (const json& a : algorithms) entry.algorithms.push_back(perf_from_json(a));
-  entry.least_memory = perf_from_json(field(j, "least_memory"));
+  const json& configs = field(j, "configs");
+  if (!configs.is_array() || configs.empty()) fail("'configs' is not a non-empty list");
+  for (const json& c : configs) entry.configs.push_back(config_from_json(c));
+  entry.least_memory = config_from_json(field(j, "least_memory"));
   return entry;
 }
 
@@ -177,6 +198,14 @@ Decoded decode(std::string_view text) {
   try {
     const json& header = field(doc, "header");
     int64_t version = read_int(header, "format_version");
+    if (version == kLegacyFormatVersion) {
+      out.status = DecodeStatus::outdated;
+      size_t count = doc.contains("entries") && doc["entries"].is_array() ? doc["entries"].size() : 0;
+      out.problems.push_back("format version 1 (legacy cuDNN algorithm numbers, " + std::to_string(count) +
+                             " entries), which this build (format " + std::to_string(kFormatVersion) +
+                             ", engine configurations) does not replay");
+      return out;
+    }
     if (version != kFormatVersion) {
       out.status = DecodeStatus::incompatible;
       out.problems.push_back("format version " + std::to_string(version) + ", this build reads " +

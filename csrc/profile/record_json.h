@@ -23,7 +23,8 @@ std::string encode(const Record& record);
 enum class DecodeStatus {
   ok,            // header usable; bad entries (if any) were dropped and named in `problems`
   corrupt,       // not JSON, or not a record at all
-  incompatible,  // a record of another format version
+  outdated,      // format 1 (legacy algorithm enums): readable, but nothing in it can be replayed
+  incompatible,  // a record of another (unknown) format version
 };
 
 struct Decoded {

@@ -24,7 +24,9 @@ RecordStore::Disk RecordStore::read_disk() const {
   Decoded decoded = decode(file.bytes);
   if (decoded.status != DecodeStatus::ok) {
     disk.unusable_file = true;
-    const char* what = decoded.status == DecodeStatus::incompatible ? "incompatible" : "corrupt";
+    const char* what = decoded.status == DecodeStatus::outdated       ? "outdated"
+                       : decoded.status == DecodeStatus::incompatible ? "incompatible"
+                                                                       : "corrupt";
     std::string why = decoded.problems.empty() ? "" : ": " + decoded.problems.front();
     disk.notes.push_back(warning(std::string("profile record ") + path_ + " is " + what + why +
                                  "; it is ignored and convolutions are profiled again"));

@@ -130,13 +130,16 @@ py::list diagnostics_to_list(const Diagnostics& ds) {
   return out;
 }
 
-py::dict algo_to_dict(const AlgoPerf& a) {
+py::dict config_to_dict(const EngineConfig& c) {
   py::dict d;
-  d["algo"] = a.algo;
-  d["math_type"] = a.math_type;
-  d["name"] = a.name;
-  d["time_ms"] = a.time_ms;
-  d["workspace_bytes"] = a.workspace_bytes;
+  d["engine"] = c.engine;
+  py::list knobs;
+  for (const Knob& k : c.knobs) knobs.append(py::make_tuple(k.type, k.value));
+  d["knobs"] = knobs;
+  d["tag"] = c.tag;
+  d["numerical_notes"] = c.numerical_notes;
+  d["time_ms"] = c.time_ms;
+  d["workspace_bytes"] = c.workspace_bytes;
   return d;
 }
 
@@ -152,12 +155,14 @@ std::vector<FakeAlgo> fake_algos_from(const py::list& algos) {
   for (const py::handle& item : algos) {
     py::dict d = item.cast<py::dict>();
     FakeAlgo a;
-    a.algo = get<int>(d, "algo");
-    a.name = get_or<std::string>(d, "name", "fake" + std::to_string(a.algo));
+    a.engine = get<int64_t>(d, "engine");
+    a.name = get_or<std::string>(d, "name", "fake" + std::to_string(a.engine));
     a.time_ms_per_sample = get_or<double>(d, "time_ms_per_sample", 1.0);
     a.workspace_per_sample = get_or<uint64_t>(d, "workspace_per_sample", 0);
     a.run_status = parse_status(get_or<std::string>(d, "run_status", "ok"));
     a.unsupported_from_batch = get_or<int64_t>(d, "unsupported_from_batch", 0);
+    a.in_heuristics = get_or<bool>(d, "in_heuristics", true);
+    a.in_profile = get_or<bool>(d, "in_profile", true);
     out.push_back(std::move(a));
   }
   return out;
@@ -166,11 +171,11 @@ std::vector<FakeAlgo> fake_algos_from(const py::list& algos) {
 py::dict outcome_to_dict(const Outcome& o) {
   py::dict d;
   d["ok"] = o.ok;
-  d["algo"] = o.ok ? py::object(algo_to_dict(o.algo)) : py::object(py::none());
+  d["config"] = o.ok && o.config ? py::object(config_to_dict(*o.config)) : py::object(py::none());
   d["source"] = std::string(source_name(o.source));
   d["fell_back"] = o.fell_back;
   py::list failed;
-  for (const auto& [algo, status] : o.failed) failed.append(py::make_tuple(algo.algo, std::string(run_status_name(status))));
+  for (const auto& [algo, status] : o.failed) failed.append(py::make_tuple(algo.engine, std::string(run_status_name(status))));
   d["failed"] = failed;
   d["error"] = o.error;
   return d;
@@ -179,9 +184,11 @@ py::dict outcome_to_dict(const Outcome& o) {
 py::dict stats_to_dict(const SelectorStats& s) {
   py::dict d;
   d["calls"] = s.calls;
-  d["memo_hits"] = s.memo_hits;
+  d["plan_hits"] = s.plan_hits;
+  d["plan_builds"] = s.plan_builds;
   d["record_hits"] = s.record_hits;
   d["profiles"] = s.profiles;
+  d["heuristic_runs"] = s.heuristic_runs;
   d["fallbacks"] = s.fallbacks;
   d["failures"] = s.failures;
   return d;
@@ -190,8 +197,10 @@ py::dict stats_to_dict(const SelectorStats& s) {
 py::dict decode_to_dict(const std::string& text) {
   Decoded decoded = decode(text);
   py::dict d;
-  d["status"] = decoded.status == DecodeStatus::ok ? "ok"
-                : decoded.status == DecodeStatus::incompatible ? "incompatible" : "corrupt";
+  d["status"] = decoded.status == DecodeStatus::ok             ? "ok"
+                : decoded.status == DecodeStatus::outdated     ? "outdated"
+                : decoded.status == DecodeStatus::incompatible ? "incompatible"
+                                                               : "corrupt";
   d["problems"] = decoded.problems;
   d["canonical"] = decoded.status == DecodeStatus::ok ? encode(decoded.record) : std::string();
   return d;
@@ -207,13 +216,16 @@ void bind_fake_provider(py::module_& m) {
       .def("script", [](FakeProvider& f, const std::string& key_id, const py::list& algos) {
              f.script(key_id, fake_algos_from(algos));
            })
-      .def("set_run_status", [](FakeProvider& f, int algo, const std::string& status) {
-             f.set_run_status(algo, parse_status(status));
+      .def("set_run_status", [](FakeProvider& f, int64_t engine, const std::string& status) {
+             f.set_run_status(engine, parse_status(status));
            })
       .def_property_readonly("profile_calls", &FakeProvider::profile_calls)
-      .def_property_readonly("run_calls", &FakeProvider::run_calls)
+      .def_property_readonly("heuristics_calls", &FakeProvider::heuristics_calls)
+      .def_property_readonly("build_calls", &FakeProvider::build_calls)
+      .def_property_readonly("execute_calls", &FakeProvider::execute_calls)
       .def_property_readonly("successful_runs", &FakeProvider::successful_runs)
-      .def_property_readonly("attempted_algos", &FakeProvider::attempted_algos)
+      .def_property_readonly("attempted", &FakeProvider::attempted)
+      .def_property_readonly("built", &FakeProvider::built)
       .def_property_readonly("profiled_keys", &FakeProvider::profiled_keys);
 }
 
@@ -237,7 +249,7 @@ void bind_selector(py::module_& m) {
       .def("entries_json", [](const Selector& s) { return encode(Record{s.header(), s.entries()}); })
       .def_property_readonly("path", &Selector::path)
       .def_property_readonly("header", [](const Selector& s) { return header_to_dict(s.header()); })
-      .def_property_readonly("workspace_cap", &Selector::workspace_cap);
+      .def_property_readonly("workspace_cap", [](const Selector& s) { return s.workspace_cap(); });
 }
 
 void bind_cuda(py::module_& m) {

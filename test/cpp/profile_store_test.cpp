@@ -22,8 +22,7 @@ using testing::spit;
 
 Entry entry_for(int64_t channels, int64_t batch = 32) {
   KeyedCall kc = make_key(resnet_call(batch, channels), Pass::forward);
-  return *make_entry(kc.key, kc.batch, {AlgoPerf{1, 0, "IMPLICIT_PRECOMP_GEMM", 0.5, 4096},
-                                        AlgoPerf{0, 0, "IMPLICIT_GEMM", 1.5, 0}});
+  return *make_entry(kc.key, kc.batch, {testing::config(1, 0.5, 4096, {{2, 1}}), testing::config(0, 1.5, 0)});
 }
 
 bool has_warning(const Diagnostics& ds, const std::string& fragment) {

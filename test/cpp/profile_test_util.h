@@ -8,6 +8,7 @@
 #include <string>
 
 #include "profile/conv_call.h"
+#include "profile/entry.h"
 #include "profile/record_header.h"
 
 namespace terra::profile::testing {
@@ -49,6 +50,19 @@ inline ConvCall resnet_call(int64_t batch, int64_t channels = 64) {
   call.stride = {1, 1};
   call.dilation = {1, 1};
   return call;
+}
+
+// An engine configuration as a provider would report it.
+inline EngineConfig config(int64_t engine, double time_ms, uint64_t workspace, std::vector<Knob> knobs = {},
+                           std::vector<std::string> notes = {}) {
+  EngineConfig c;
+  c.engine = engine;
+  c.knobs = std::move(knobs);
+  c.tag = default_tag(engine, c.knobs);
+  c.numerical_notes = std::move(notes);
+  c.time_ms = time_ms;
+  c.workspace_bytes = workspace;
+  return c;
 }
 
 inline std::string slurp(const std::string& path) {

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Iterator
 
@@ -96,18 +99,51 @@ def test_failing_algorithm_falls_back_to_next_ranked_then_least_memory(tmp_path:
     conv = nn.Conv2d(3, 8, 3)
     with torch.no_grad():
         conv(torch.randn(2, 3, 8, 8))
-    assert fake.attempted_algos == [4]
+    assert fake.attempted == [4]
 
     fake.set_run_status(4, "out_of_memory")
     with torch.no_grad():
-        conv(torch.randn(3, 3, 8, 8))
-    assert fake.attempted_algos[1:] == [4, 1]
+        conv(torch.randn(3, 3, 8, 8))  # a new batch: a new plan for 4, which fails to run
+    assert fake.attempted[1:] == [4, 1]
     fake.set_run_status(1, "not_supported")
     with torch.no_grad():
         conv(torch.randn(4, 3, 8, 8))
-    assert fake.attempted_algos[3:] == [4, 1, 0]
+    assert fake.attempted[3:] == [4, 1, 0]
     s = tp.stats()
     assert (s["fallbacks"], s["profiles"], s["failures"]) == (2, 1, 0)
+
+
+def test_heuristics_serve_a_batch_no_recorded_configuration_runs_at(tmp_path: Path) -> None:
+    # Engine 4 is recorded at batch 2 but cannot build from batch 8; engine 9 was never timed
+    # (beyond cuDNN's benchmark limit) but is among the heuristics' choices.
+    fake = tp.FakeProvider([{"engine": 4, "time_ms_per_sample": 1.0, "unsupported_from_batch": 8},
+                            {"engine": 9, "time_ms_per_sample": 5.0, "in_profile": False}])
+    tp.enable(tmp_path / "r.json", provider=fake)
+    conv = nn.Conv2d(3, 8, 3)
+    with torch.no_grad():
+        conv(torch.randn(2, 3, 8, 8))
+        assert [c.engine for c in tp.entries()[0].configs] == [4]
+        conv(torch.randn(8, 3, 8, 8))
+    assert fake.built == [4, 4, 9]
+    assert fake.attempted == [4, 9]
+    s = tp.stats()
+    assert (s["heuristic_runs"], s["profiles"], s["failures"]) == (1, 1, 0)
+    assert [c.engine for c in tp.entries()[0].configs] == [4], "a heuristic choice is not written to the record"
+
+
+def test_steady_calls_run_cached_plans(tmp_path: Path) -> None:
+    fake = tp.FakeProvider()
+    tp.enable(tmp_path / "r.json", provider=fake)
+    model = tiny_net()
+    for _ in range(5):
+        train_step(model, 2)
+    # One plan per (key, exact shape); after the first step every call is one execute.
+    assert fake.build_calls == TINY_NET_ENTRIES
+    assert fake.execute_calls == 5 * TINY_NET_ENTRIES
+    s = tp.stats()
+    assert (s["calls"], s["plan_hits"], s["plan_builds"]) == (5 * TINY_NET_ENTRIES, 4 * TINY_NET_ENTRIES,
+                                                               TINY_NET_ENTRIES)
+    assert set(s) == set(tp.STAT_NAMES)
 
 
 def test_workspace_cap_bounds_recorded_algorithms(tmp_path: Path) -> None:
@@ -117,9 +153,9 @@ def test_workspace_cap_bounds_recorded_algorithms(tmp_path: Path) -> None:
     entries = tp.entries()
     assert len(entries) == TINY_NET_ENTRIES
     for e in entries:
-        assert all(a.workspace_bytes <= cap for a in e.algorithms)
-        assert e.best.algo == 1
-        assert e.least_memory.algo == 0
+        assert all(c.workspace_bytes <= cap for c in e.configs)
+        assert e.best.engine == 1
+        assert e.least_memory.engine == 0
 
 
 def test_env_var_names_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +167,7 @@ def test_env_var_names_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     train_step(tiny_net(), 1)
     tp.disable()
     assert path.exists()
-    assert all(a.workspace_bytes <= 2 * 1024 * 1024 for e in tp.load(path).entries for a in e.algorithms)
+    assert all(c.workspace_bytes <= 2 * 1024 * 1024 for e in tp.load(path).entries for c in e.configs)
 
 
 def test_enable_without_path_or_env_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,14 +177,65 @@ def test_enable_without_path_or_env_is_an_error(monkeypatch: pytest.MonkeyPatch)
     assert not tp.is_enabled()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of CPU-only machines")
-def test_without_cuda_enable_says_so_and_env_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(RuntimeError, match="need a CUDA device"):
-        tp.enable(tmp_path / "r.json")
-    monkeypatch.setenv(tp.ENV_RECORD, str(tmp_path / "r.json"))
-    with pytest.warns(tp.ProfileRecordWarning, match="not used: .*CUDA"):
-        assert tp.enable_from_env() is False
-    assert not tp.is_enabled()
+NO_CUDA = not torch.cuda.is_available() or not _C.profile.with_cuda
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter: "once per process" needs a process that has not warned yet."""
+    root = Path(__file__).resolve().parents[2]
+    full_env = {**os.environ, "PYTHONPATH": str(root), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks machines without CUDA")
+def test_without_cuda_enable_warns_once_and_does_nothing(tmp_path: Path) -> None:
+    r = run_python(f"""
+        import warnings
+        warnings.simplefilter("always")  # "once" must not depend on the filters
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch.nn as nn, torch
+            from terra_torch import profile as tp
+            for _ in range(3):
+                assert tp.enable({str(tmp_path / "r.json")!r}) is None
+            tp.enable()  # no path and no variable: still only the one warning, no ValueError
+            assert not tp.is_enabled() and tp.active_path() is None
+            nn.Conv2d(3, 4, 3)(torch.randn(1, 3, 8, 8))
+            assert tp.stats()["calls"] == 0
+        mine = [w for w in caught if issubclass(w.category, tp.ProfileRecordWarning)]
+        print(len(mine))
+        print(mine[0].message if mine else "")
+        """, {"TERRA_PROFILE_RECORD": ""})
+    assert r.returncode == 0, r.stderr
+    count, message = r.stdout.splitlines()[:2]
+    assert count == "1", r.stdout
+    assert "CUDA" in message and "not used" in message
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks machines without CUDA")
+def test_without_cuda_the_environment_variable_warns_once_and_does_nothing(tmp_path: Path) -> None:
+    # Importing terra_torch reads the variable; calling enable_from_env() or enable() again in the
+    # same process adds no second warning.
+    r = run_python("""
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import terra_torch
+            from terra_torch import profile as tp
+            assert tp.enable_from_env() is False
+            tp.enable()
+            assert not tp.is_enabled()
+        mine = [w for w in caught if issubclass(w.category, tp.ProfileRecordWarning)]
+        print(len(mine))
+        print(mine[0].message if mine else "")
+        """, {"TERRA_PROFILE_RECORD": str(tmp_path / "env.json")})
+    assert r.returncode == 0, r.stderr
+    count, message = r.stdout.splitlines()[:2]
+    assert count == "1", r.stdout
+    assert tp.ENV_RECORD in message and "CUDA" in message
+    assert not (tmp_path / "env.json").exists()
 
 
 def test_parse_bytes() -> None:

@@ -76,6 +76,38 @@ def test_other_format_version_is_incompatible(tmp_path: Path) -> None:
     assert fake.profile_calls == 2
 
 
+def v1_record(header: dict) -> dict:
+    """A format-1 record as the previous build wrote it: legacy algorithm numbers per entry."""
+    key, batch = _C.profile.make_key(
+        {"input": [2, 3, 8, 8], "weight": [4, 3, 3, 3], "output": [2, 4, 6, 6], "padding": [0, 0],
+         "stride": [1, 1], "dilation": [1, 1], "groups": 1, "dtype": "float32", "layout": "nchw"}, "forward")
+    algo = {"algo": 1, "math_type": 0, "name": "IMPLICIT_PRECOMP_GEMM", "time_ms": 0.8, "workspace_bytes": 4096}
+    return {"format": "terra_torch.conv_profile_record", "header": {**header, "format_version": 1},
+            "entries": [{"algorithms": [algo], "id": _C.profile.key_id(key), "key": key, "least_memory": algo,
+                         "profiled_batch": batch}]}
+
+
+def test_a_format_1_record_is_reported_and_profiled_again(tmp_path: Path) -> None:
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(v1_record(tp.fake_header())))
+    with pytest.warns(tp.ProfileRecordWarning, match="format version 1"):
+        assert tp.load(path).status == "outdated"
+
+    fake = tp.FakeProvider()
+    with pytest.warns(tp.ProfileRecordWarning) as caught:
+        tp.enable(path, provider=fake)
+    assert any(str(path) in str(w.message) and "outdated" in str(w.message) for w in caught), \
+        "the warning names the file"
+    with pytest.warns(tp.ProfileRecordWarning, match="moved to"):
+        one_conv_step()
+    assert fake.profile_calls == 2, "the forward entry of the v1 file is not reused"
+    tp.disable()
+    record = tp.load(path)
+    assert record.status == "ok" and record.header.format_version == _C.profile.format_version == 2
+    assert len(record.entries) == 2
+    assert json.loads(Path(str(path) + ".bak").read_text())["header"]["format_version"] == 1
+
+
 def test_entries_of_another_device_are_ignored_with_a_warning(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     other = {**tp.fake_header(), "device_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
@@ -121,8 +153,9 @@ def test_load_gives_typed_entries(tmp_path: Path) -> None:
     (entry,) = record.entries
     assert isinstance(entry.key, tp.ConvKey)
     assert entry.key.role == "forward" and entry.key.input == (3, 8, 8) and entry.profiled_batch == 2
-    assert [a.algo for a in entry.algorithms] == [4, 1, 0]
-    assert entry.best.algo == 4 and entry.least_memory.algo == 0
+    assert [c.engine for c in entry.configs] == [4, 1, 0]
+    assert entry.best.engine == 4 and entry.least_memory.engine == 0
+    assert entry.best.knobs == () and entry.best.tag == "FFT" and entry.best.numerical_notes == ()
     assert entry.key.id == json.loads(path.read_text())["entries"][0]["id"]
     assert record.find(entry.key) == entry
     assert tp.load(tmp_path / "absent.json").status == "missing"

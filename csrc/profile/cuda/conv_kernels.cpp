@@ -6,6 +6,11 @@
 // moment the record is disabled. Anything they do not handle (no record, other backends, 64-bit
 // sizes, a device the record does not describe, nothing ran) goes to PyTorch's own
 // implementation, called directly (at::native::*, exported by libtorch_cuda / libtorch_cpu).
+//
+// Per call (issue 17, item 3) a kernel takes no lock and builds no string: the active selector
+// is read through a per-thread copy (active.h), the record's device is checked once per thread,
+// and the problem is handed over as a POD PlanKey plus pointers into the tensors' own sizes and
+// strides; a cached plan then runs (conv_runner.h).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -20,10 +25,13 @@
 #include <climits>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "profile/active.h"
 #include "profile/cuda_hooks.h"
 #include "profile/cudnn_problem.h"
+#include "profile/plan_key.h"
 
 namespace terra::profile::cuda {
 
@@ -32,31 +40,53 @@ namespace {
 using at::Tensor;
 using c10::SymIntArrayRef;
 
-std::string dtype_name(c10::ScalarType type) {
+std::optional<DType> dtype_of(c10::ScalarType type) {
   switch (type) {
-    case c10::ScalarType::Float: return "float32";
-    case c10::ScalarType::Half: return "float16";
-    case c10::ScalarType::BFloat16: return "bfloat16";
-    case c10::ScalarType::Double: return "float64";
-    default: return {};
+    case c10::ScalarType::Float: return DType::float32;
+    case c10::ScalarType::Half: return DType::float16;
+    case c10::ScalarType::BFloat16: return DType::bfloat16;
+    case c10::ScalarType::Double: return DType::float64;
+    default: return std::nullopt;
   }
 }
 
-std::string layout_name(at::MemoryFormat format, int64_t dim) {
-  if (format == at::MemoryFormat::ChannelsLast) return "nhwc";
-  if (format == at::MemoryFormat::ChannelsLast3d) return "ndhwc";
-  return dim == 5 ? "ncdhw" : "nchw";
+std::vector<int64_t> dims_of(at::IntArrayRef a) { return std::vector<int64_t>(a.begin(), a.end()); }
+
+// Points into the tensor's own size and stride arrays: valid while the tensor lives.
+DeviceTensor device_tensor(const Tensor& t) {
+  return {t.data_ptr(), static_cast<int>(t.dim()), t.sizes().data(), t.strides().data()};
 }
 
-Dims dims_of(at::IntArrayRef a) { return Dims(a.begin(), a.end()); }
+// One cuDNN problem in cuDNN's roles, keyed for the plan cache. nullopt: leave it to PyTorch.
+std::optional<CudnnProblem> make_problem(Role role, const Tensor& x, const Tensor& w, const Tensor& y,
+                                         const int64_t* padding, const int64_t* stride, const int64_t* dilation,
+                                         int64_t groups, at::MemoryFormat format, bool allow_tf32, bool deterministic) {
+  auto dtype = dtype_of(x.scalar_type());
+  if (!dtype) return std::nullopt;
+  const bool last = format == at::MemoryFormat::ChannelsLast || format == at::MemoryFormat::ChannelsLast3d;
+  ProblemDims d;
+  d.role = role;
+  d.spatial = static_cast<int>(x.dim()) - 2;
+  d.x = x.sizes().data(), d.w = w.sizes().data(), d.y = y.sizes().data();
+  d.padding = padding, d.stride = stride, d.dilation = dilation;
+  d.groups = groups;
+  d.dtype = *dtype;
+  d.layout = layout_for(last, d.spatial);
+  d.math_mode = math_mode_for(*dtype, allow_tf32);
+  d.deterministic = deterministic;
+  d.device = x.get_device();
+  d.align_x = byte_alignment(x.data_ptr()), d.align_w = byte_alignment(w.data_ptr()),
+  d.align_y = byte_alignment(y.data_ptr());
+  auto key = make_plan_key(d);
+  if (!key) return std::nullopt;
+  return CudnnProblem{*key, device_tensor(x), device_tensor(w), device_tensor(y)};
+}
 
-DeviceTensor device_tensor(const Tensor& t) { return {t.data_ptr(), dims_of(t.sizes()), dims_of(t.strides())}; }
-
-// What the legacy cuDNN API can take: 2-d or 3-d convolutions of one floating type on one device,
-// with sizes that fit its int descriptors (PyTorch splits larger batches; we leave those to it).
+// What the provider takes: 2-d or 3-d convolutions of one floating type on one device, with at
+// most 2^31 elements per tensor (PyTorch splits larger batches; we leave those to it).
 bool eligible(std::initializer_list<const Tensor*> tensors) {
   const Tensor& first = **tensors.begin();
-  if (dtype_name(first.scalar_type()).empty()) return false;
+  if (!dtype_of(first.scalar_type())) return false;
   for (const Tensor* t : tensors) {
     if (!t->is_cuda() || t->device() != first.device() || t->scalar_type() != first.scalar_type()) return false;
     if (t->dim() != 4 && t->dim() != 5) return false;
@@ -66,11 +96,20 @@ bool eligible(std::initializer_list<const Tensor*> tensors) {
 }
 
 // The record holds one device's timings; another kind of GPU in the same process uses PyTorch.
+// Decided once per thread, selector and device (string compares are not per-call work).
 bool record_describes(const Selector& selector, c10::DeviceIndex device) {
+  thread_local uint64_t seen_selector = 0;
+  thread_local uint64_t checked = 0, described = 0;  // bit per device index < 64
+  if (seen_selector != selector.id()) seen_selector = selector.id(), checked = described = 0;
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit && (checked & bit)) return (described & bit) != 0;
   const cudaDeviceProp* p = at::cuda::getDeviceProperties(device);
-  RecordHeader h = selector.header();
-  if (h.device_name == p->name && h.compute_capability == std::to_string(p->major) + "." + std::to_string(p->minor))
-    return true;
+  const RecordHeader& h = selector.header();
+  const bool same =
+      h.device_name == p->name && h.compute_capability == std::to_string(p->major) + "." + std::to_string(p->minor);
+  checked |= bit;
+  if (same) described |= bit;
+  if (same) return true;
   TORCH_WARN_ONCE("terra_torch profile record ", selector.path(), " describes ", h.device_label(), ", not cuda:",
                   static_cast<int>(device), " (", p->name, "); convolutions there use PyTorch's own choice");
   return false;
@@ -95,25 +134,6 @@ std::vector<int64_t> conv_transpose_out_size(const Tensor& x, const Tensor& w, a
   return out;
 }
 
-ConvCall make_call(const Tensor& op_input, const Tensor& weight, const Tensor& op_output, at::IntArrayRef pad,
-                   at::IntArrayRef stride, at::IntArrayRef dil, int64_t groups, bool transposed,
-                   at::MemoryFormat format, bool allow_tf32, bool deterministic) {
-  ConvCall call;
-  call.input = dims_of(op_input.sizes());
-  call.weight = dims_of(weight.sizes());
-  call.output = dims_of(op_output.sizes());
-  call.padding = dims_of(pad);
-  call.stride = dims_of(stride);
-  call.dilation = dims_of(dil);
-  call.groups = groups;
-  call.transposed = transposed;
-  call.dtype = dtype_name(op_input.scalar_type());
-  call.layout = layout_name(format, op_input.dim());
-  call.allow_tf32 = allow_tf32;
-  call.deterministic = deterministic;
-  return call;
-}
-
 // Runs one problem through the selector; warnings become torch warnings (Python warnings for
 // the caller, replayed from autograd's threads too). False: let PyTorch do it.
 bool run_problem(Selector& selector, const CudnnProblem& problem) {
@@ -132,7 +152,7 @@ Tensor conv_forward(const Tensor& input, const Tensor& weight, SymIntArrayRef pa
     return at::native::cudnn_convolution(input, weight, padding, stride, dilation, groups, benchmark, deterministic,
                                          allow_tf32);
   };
-  std::shared_ptr<Selector> selector = active_selector();
+  Selector* selector = active_selector_for_this_thread();
   if (!selector || !eligible({&input, &weight}) || !record_describes(*selector, input.device().index()))
     return native();
   c10::cuda::CUDAGuard guard(input.device());
@@ -140,10 +160,9 @@ Tensor conv_forward(const Tensor& input, const Tensor& weight, SymIntArrayRef pa
   Tensor x = input.contiguous(format), w = weight.contiguous(format);
   Tensor y = at::empty(conv_out_size(x, w, padding, stride, dilation), x.options().memory_format(format));
   if (!eligible({&y})) return native();
-  ConvCall call = make_call(x, w, y, padding, stride, dilation, groups, false, format, allow_tf32, deterministic);
-  CudnnProblem problem{make_key(call, Pass::forward), x.get_device(), device_tensor(x), device_tensor(w),
-                       device_tensor(y)};
-  return run_problem(*selector, problem) ? y : native();
+  auto problem = make_problem(Role::forward, x, w, y, padding.data(), stride.data(), dilation.data(), groups, format,
+                              allow_tf32, deterministic);
+  return problem && run_problem(*selector, *problem) ? y : native();
 }
 
 // cuDNN runs a transposed convolution as the data gradient of the mirror convolution.
@@ -157,7 +176,7 @@ Tensor conv_transpose_forward(const Tensor& input, const Tensor& weight, SymIntA
     return at::native::cudnn_convolution_transpose(input, weight, padding, output_padding, stride, dilation, groups,
                                                    benchmark, deterministic, allow_tf32);
   };
-  std::shared_ptr<Selector> selector = active_selector();
+  Selector* selector = active_selector_for_this_thread();
   if (!selector || !eligible({&input, &weight}) || !record_describes(*selector, input.device().index()))
     return native();
   c10::cuda::CUDAGuard guard(input.device());
@@ -166,10 +185,10 @@ Tensor conv_transpose_forward(const Tensor& input, const Tensor& weight, SymIntA
   Tensor out = at::empty(conv_transpose_out_size(dy, w, padding, output_padding, stride, dilation, groups),
                          dy.options().memory_format(format));
   if (!eligible({&out})) return native();
-  ConvCall call = make_call(dy, w, out, padding, stride, dilation, groups, true, format, allow_tf32, deterministic);
-  CudnnProblem problem{make_key(call, Pass::forward), dy.get_device(), device_tensor(out), device_tensor(w),
-                       device_tensor(dy)};
-  return run_problem(*selector, problem) ? out : native();
+  // The mirror convolution maps `out` to `dy`: its data gradient is this op's forward.
+  auto problem = make_problem(Role::backward_data, out, w, dy, padding.data(), stride.data(), dilation.data(), groups,
+                              format, allow_tf32, deterministic);
+  return problem && run_problem(*selector, *problem) ? out : native();
 }
 
 std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& grad_output, const Tensor& input, const Tensor& weight,
@@ -185,7 +204,7 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& grad_output, cons
                                             C10_AS_INTARRAYREF_SLOW(padding_s), C10_AS_INTARRAYREF_SLOW(dilation_s),
                                             transposed, C10_AS_INTARRAYREF_SLOW(output_padding_s), groups, mask);
   };
-  std::shared_ptr<Selector> selector = active_selector();
+  Selector* selector = active_selector_for_this_thread();
   if (!selector || !input.is_cuda() || !(mask[0] || mask[1])) return native();
   // Only what PyTorch itself would give to cuDNN (not depthwise kernels, not empty tensors, ...).
   at::native::ConvBackend backend = at::native::select_conv_backend(
@@ -209,22 +228,24 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& grad_output, cons
   const at::Context& ctx = at::globalContext();
   const bool deterministic = ctx.deterministicCuDNN() || ctx.deterministicAlgorithms();
   const bool allow_tf32 = ctx.allowTF32CuDNN(at::Float32Op::CONV);
-  ConvCall call = make_call(x, w, gy, padding, stride, dilation, groups, transposed, format, allow_tf32, deterministic);
+  auto problem_for = [&](Role role, const Tensor& cx, const Tensor& cw, const Tensor& cy) {
+    return make_problem(role, cx, cw, cy, padding.data(), stride.data(), dilation.data(), groups, format, allow_tf32,
+                        deterministic);
+  };
 
   Tensor grad_input, grad_weight, grad_bias;
   if (mask[0]) {
     grad_input = at::empty(x.sizes(), gy.options().memory_format(format));
     // Transposed: the input gradient is the mirror convolution's forward, from gy to grad_input.
-    CudnnProblem p{make_key(call, Pass::grad_input), x.get_device(),
-                   device_tensor(transposed ? gy : grad_input), device_tensor(w),
-                   device_tensor(transposed ? grad_input : gy)};
-    if (!run_problem(*selector, p)) return native();
+    auto p = transposed ? problem_for(Role::forward, gy, w, grad_input)
+                        : problem_for(Role::backward_data, grad_input, w, gy);
+    if (!p || !run_problem(*selector, *p)) return native();
   }
   if (mask[1]) {
     grad_weight = at::empty(w.sizes(), w.options().memory_format(format));
-    CudnnProblem p{make_key(call, Pass::grad_weight), x.get_device(), device_tensor(transposed ? gy : x),
-                   device_tensor(grad_weight), device_tensor(transposed ? x : gy)};
-    if (!run_problem(*selector, p)) return native();
+    auto p = transposed ? problem_for(Role::backward_filter, gy, grad_weight, x)
+                        : problem_for(Role::backward_filter, x, grad_weight, gy);
+    if (!p || !run_problem(*selector, *p)) return native();
   }
   if (mask[2]) {
     std::vector<int64_t> reduce{0};
