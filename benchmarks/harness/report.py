@@ -176,6 +176,20 @@ def summary_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ratio_source(doc: dict[str, Any]) -> str:
+    """One line under the table: which run the ratios came from."""
+    labels = run_labels(doc)
+    used = [r["id"] for r in doc["meta"].get("runs", [])
+            if any(c.get("run_id") == r["id"] for cells in doc["cells"].values()
+                   for c in cells.values())]
+    if len(used) == 1:
+        return (f"All cells and ratios from one run, {labels[used[0]]} ({used[0]}); see Runs.")
+    if not used:
+        return "No run ids recorded: ratios use eager's steps/s as stored."
+    return ("Cells from runs " + ", ".join(labels[u] for u in used) + "; each cell names its "
+            "run, and its ratio divides by that run's eager only; see Runs.")
+
+
 def runs_table(doc: dict[str, Any]) -> str:
     """The runs the table's cells came from: when, what they measured, `uptime` around them."""
     labels = run_labels(doc)
@@ -563,6 +577,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "## Steps per second, ratio to eager, correctness",
         "",
         summary_table(doc),
+        "",
+        ratio_source(doc),
         "",
         legend(),
         "",

@@ -86,6 +86,7 @@ def test_merged_run_keeps_each_cells_own_baseline(monkeypatch):
     assert set(cells["eager"]["baselines"]) == {"A", "B"}
     assert "R1" in report.cell_text(doc, "mlp", "terra")
     assert "R2" in report.cell_text(doc, "mlp", "jit-trace")
+    assert "R1, R2" in report.ratio_source(doc)
     # Re-measuring terra too leaves no cell of run A: its baseline and the run go.
     _run(monkeypatch, FakeCells({"eager": [120.0, 110.0], "terra": [60.0]}), cells,
          ["eager", "terra"], "C")
