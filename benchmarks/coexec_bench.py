@@ -68,7 +68,8 @@ def measure(program: str, args: argparse.Namespace, scratch: Path) -> dict[str, 
             print(bench_run.progress(cells[runner]), flush=True)
         again = bench_run.run_cell(program, "eager", wargs, scratch)
         print(bench_run.progress(again, "eager (again)"), flush=True)
-        bench_run.merge_eager_timing(cells["eager"], again, [])
+        bench_run.record_eager_baseline(
+            cells["eager"], [cells["eager"].get("steps_per_s"), again.get("steps_per_s")])
         rounds.append(cells)
     return median_round(rounds)
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"meta": {
         "command": command, "settings": vars(args),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_avg_1m_start": round(os.getloadavg()[0], 2)},
+                    "load_avg_1m_start": round(os.getloadavg()[0], 2),
+                    "uptime_start": bench_run.uptime()},
         "started": dt.datetime.now().isoformat(timespec="seconds")}, "cells": {}}
     print(f"[coexec_bench] {command}", flush=True)
     with tempfile.TemporaryDirectory(prefix="terra-coexec-") as scratch:
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             check = compare.replay_verdict if runner == "terra-graph-only" else compare.terra_verdict
             cells[runner]["correctness"] = check(ref, cells[runner])
     doc["meta"]["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    doc["meta"]["machine"]["uptime_end"] = bench_run.uptime()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

@@ -6,7 +6,13 @@ Each (program, runner) cell runs in its own worker process (benchmarks/harness/w
 time limit; eager always runs (it is the reference for speed and for correctness). Results go to
 benchmarks/results/<quick|full>/: results.json, report.md, speedup.png, breakdown.png. A run
 restricted with --only or --runners merges its cells into an existing results.json made with
-the same settings, so a new runner (terra) can be added without rerunning the peers. This
+the same settings, so a new runner (terra) can be added without rerunning the peers.
+
+Ratios come from one run: every run has an id (meta.runs, with `uptime` before and after it),
+every cell records the run that measured it, and whenever a program's cells are measured its
+eager cell is measured again in the same run, before and after each group of runners (peers,
+then terra). The eager cell keeps one baseline per run (`baselines`), and a cell's ratio divides
+by the baseline of its own run only, never by a faster or slower eager of another run. This
 process never imports torch.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -27,12 +34,16 @@ from typing import Any
 from benchmarks.harness import compare, report
 from benchmarks.programs import PROGRAMS
 
+log = logging.getLogger("benchmarks.run")
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_RUNNERS = ("eager", "compile", "compile-step", "jit-trace", "jit-script", "lazy")
 TERRA_RUNNERS = ("terra", "terra-lazy", "terra-graph-only")
 DEFAULT_RUNNERS = PEER_RUNNERS + TERRA_RUNNERS
 KNOWN_RUNNERS = DEFAULT_RUNNERS
+# Run id of cells measured before runs were recorded (results.json files written before this).
+LEGACY_RUN = "before-run-ids"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,31 +130,100 @@ def run_cell(program: str, runner: str, args: argparse.Namespace, scratch: Path,
     return result
 
 
-def run_program(program: str, runners: list[str], args: argparse.Namespace, scratch: Path,
-                cells: dict[str, Any]) -> None:
-    """Eager first (with its determinism rerun), the other runners, then eager's timing again.
+def runner_groups(runners: list[str]) -> list[list[str]]:
+    """The non-eager runners in the groups eager brackets: the peers, then the terra runners.
 
-    Eager's earlier timings (from a run this one merges into) are kept: ratios of the cells
-    that run measured stay against a baseline that includes its eager measurements.
+    Eager runs before the first group and after each one, so the terra cells have an eager
+    measurement right before and right after them even when slow peers (compile) ran first.
     """
-    earlier = list(cells.get("eager", {}).get("steps_per_s_runs", []))
-    for runner in runners:
-        cells[runner] = run_cell(program, runner, args, scratch, rerun=runner == "eager")
-        print(progress(cells[runner]), flush=True)
-    if len(runners) > 1 and cells["eager"].get("status") == "ok":
-        again = run_cell(program, "eager", args, scratch)
-        print(progress(again, "eager (again)"), flush=True)
-        merge_eager_timing(cells["eager"], again, earlier)
+    peers = [r for r in runners if r != "eager" and r not in TERRA_RUNNERS]
+    terra = [r for r in runners if r in TERRA_RUNNERS]
+    return [g for g in (peers, terra) if g]
 
 
-def merge_eager_timing(eager: dict[str, Any], again: dict[str, Any],
-                       earlier: list[float]) -> None:
-    """Keep every eager measurement; ratios use the fastest (conservative under load)."""
-    runs = earlier + [eager.get("steps_per_s"), again.get("steps_per_s")]
-    runs = [r for r in runs if isinstance(r, (int, float))]
+def run_program(program: str, runners: list[str], args: argparse.Namespace, scratch: Path,
+                cells: dict[str, Any], run_id: str) -> None:
+    """Eager (with its determinism rerun), then each runner group followed by eager again.
+
+    Every cell gets `run_id`. The eager cell's `baselines` keeps, per run, the eager timings of
+    that run; the baselines of earlier runs stay only while a cell of theirs is still in the
+    table, since a cell's ratio uses its own run's baseline and nothing else.
+    """
+    earlier = cells.get("eager")
+    eager = run_cell(program, "eager", args, scratch, rerun=True)
+    eager["run_id"] = run_id
+    cells["eager"] = eager
+    print(progress(eager), flush=True)
+    if eager.get("program_unavailable"):
+        # The program cannot run here (a missing optional package): every runner alike.
+        print(f"[bench] skipping {program}: {eager.get('reason')}", flush=True)
+        for runner in runners[1:]:
+            cells[runner] = {**eager, "runner": runner}
+        return
+    measured = [eager.get("steps_per_s")]
+    for group in runner_groups(runners):
+        for runner in group:
+            cells[runner] = run_cell(program, runner, args, scratch)
+            cells[runner]["run_id"] = run_id
+            print(progress(cells[runner]), flush=True)
+        if eager.get("status") == "ok":
+            again = run_cell(program, "eager", args, scratch)
+            print(progress(again, "eager (again)"), flush=True)
+            measured.append(again.get("steps_per_s"))
+    baselines = dict((earlier or {}).get("baselines") or {})
+    record_eager_baseline(eager, measured, run_id, baselines)
+    in_use = {c.get("run_id") for c in cells.values()}
+    eager["baselines"] = {rid: b for rid, b in eager["baselines"].items() if rid in in_use}
+
+
+def record_eager_baseline(eager: dict[str, Any], measured: list[Any], run_id: str | None = None,
+                          earlier: dict[str, Any] | None = None) -> None:
+    """Eager's timings of one run; its steps/s is the fastest of them (conservative under load).
+
+    With a run id, the run's timings also go into `eager["baselines"][run_id]` next to the
+    `earlier` runs' baselines, which is what report.baseline() divides by.
+    """
+    runs = [r for r in measured if isinstance(r, (int, float))]
     eager["steps_per_s_runs"] = runs
     if runs:
         eager["steps_per_s"] = max(runs)
+    if run_id is not None:
+        eager["baselines"] = {**(earlier or {}), run_id: {
+            "steps_per_s": max(runs) if runs else None, "steps_per_s_runs": runs,
+            "finished_at": dt.datetime.now().isoformat(timespec="seconds")}}
+
+
+def uptime() -> dict[str, Any]:
+    """`uptime`'s line and the load averages: how busy the machine was around a run."""
+    try:
+        line = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("uptime failed (%s); recording os.getloadavg() only", exc)
+        line = ""
+    return {"uptime": line, "load_avg": [round(v, 2) for v in os.getloadavg()],
+            "at": dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def new_run(doc: dict[str, Any], programs: list[str], runners: list[str],
+            argv: list[str]) -> dict[str, Any]:
+    """Append this run to meta.runs (id = its start time, unique within the document)."""
+    started = dt.datetime.now().isoformat(timespec="seconds")
+    taken = {r["id"] for r in doc["meta"]["runs"]}
+    run_id, k = started, 1
+    while run_id in taken:
+        k += 1
+        run_id = f"{started}.{k}"
+    run = {"id": run_id, "started": started, "programs": programs, "runners": runners,
+           "command": " ".join(["python -m benchmarks.run", *argv]), "before": uptime()}
+    doc["meta"]["runs"].append(run)
+    return run
+
+
+def prune_runs(doc: dict[str, Any]) -> None:
+    """Drop runs none of whose cells are left (a later run re-measured all of them)."""
+    in_use = {c.get("run_id") for cells in doc["cells"].values() for c in cells.values()}
+    doc["meta"]["runs"] = [r for r in doc["meta"]["runs"] if r["id"] in in_use]
 
 
 def _rel(path: Path) -> str:
@@ -160,8 +240,34 @@ def load_existing(path: Path, want: dict[str, Any], fresh: bool) -> dict[str, An
     if not fresh and path.exists():
         doc = json.loads(path.read_text())
         if doc.get("meta", {}).get("settings") == want:
+            migrate(doc)
             return doc
-    return {"meta": {"settings": want}, "cells": {}}
+    return {"meta": {"settings": want, "runs": []}, "cells": {}}
+
+
+def migrate(doc: dict[str, Any]) -> None:
+    """Give cells of a results.json written before run ids the run LEGACY_RUN.
+
+    Their eager steps/s may already be the fastest of several runs; it becomes that legacy
+    run's baseline, used only for the legacy cells (and labelled so in the report).
+    """
+    meta = doc["meta"]
+    meta.setdefault("runs", [])
+    legacy = False
+    for cells in doc["cells"].values():
+        for cell in cells.values():
+            if "run_id" not in cell:
+                cell["run_id"] = LEGACY_RUN
+                legacy = True
+        eager = cells.get("eager")
+        if eager is not None and "baselines" not in eager:
+            eager["baselines"] = {LEGACY_RUN: {
+                "steps_per_s": eager.get("steps_per_s"),
+                "steps_per_s_runs": eager.get("steps_per_s_runs", [])}}
+    if legacy and not any(r["id"] == LEGACY_RUN for r in meta["runs"]):
+        meta["runs"].insert(0, {"id": LEGACY_RUN, "finished": meta.get("updated"),
+                                "note": "measured before runs were recorded: the eager "
+                                        "baseline may be the fastest of several runs"})
 
 
 def machine() -> dict[str, Any]:
@@ -204,12 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out) if args.out else RESULTS / ("quick" if args.quick else "full")
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = load_existing(out_dir / "results.json", settings(args), args.fresh)
-    doc["meta"].update(machine=machine(), updated=dt.datetime.now().isoformat(timespec="seconds"),
-                       rtol=compare.RTOL)
-    print(f"[bench] {len(programs)} programs x {len(runners)} runners -> {out_dir}", flush=True)
+    run = new_run(doc, programs, runners, sys.argv[1:] if argv is None else argv)
+    print(f"[bench] run {run['id']}: {len(programs)} programs x {len(runners)} runners -> "
+          f"{out_dir}; before: {run['before']['uptime']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="terra-bench-") as scratch:
         for program in programs:
-            run_program(program, runners, args, Path(scratch), doc["cells"].setdefault(program, {}))
+            run_program(program, runners, args, Path(scratch),
+                        doc["cells"].setdefault(program, {}), run["id"])
+    run["after"] = uptime()
+    run["finished"] = run["after"]["at"]
+    print(f"[bench] run {run['id']} done; after: {run['after']['uptime']}", flush=True)
+    prune_runs(doc)
+    doc["meta"].update(machine=machine(), updated=dt.datetime.now().isoformat(timespec="seconds"),
+                       rtol=compare.RTOL)
     attach_correctness(doc)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     written = report.write_all(doc, out_dir)

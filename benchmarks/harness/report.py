@@ -1,11 +1,15 @@
 """Turns results.json into report.md, speedup.png and breakdown.png (no torch needed).
 
-The Markdown report leads with one table (steps/s, ratio to eager, correctness mark per cell),
-then correctness details, every failure with its reason, first-call costs, compiler statistics,
+The Markdown report leads with one table (steps/s, ratio to eager, correctness mark per cell,
+terra's coverage: share of iterations co-executed and fallbacks per 100 iterations), the runs its
+cells came from (with `uptime` before and after each), then correctness details, every failure with its reason, first-call costs, compiler statistics,
 terra_torch's phases and fallbacks, and the terra time breakdown per step (PythonRunner and
 GraphRunner execution and stall over the timed repetitions). The plots show speed-up over eager
 per program and runner, and that breakdown relative to eager's time per step (Figure 6 of the
 Terra paper, for these programs).
+
+Every ratio divides a cell by the eager baseline of the run that measured the cell (see
+benchmarks/run.py): `baseline()` is the one place that picks it.
 """
 
 from __future__ import annotations
@@ -37,14 +41,93 @@ def ordered_runners(doc: dict[str, Any]) -> list[str]:
     return [r for r in DISPLAY_ORDER if r in present] + sorted(present - set(DISPLAY_ORDER))
 
 
-def ratio(doc: dict[str, Any], program: str, runner: str) -> float | None:
-    """steps/s of the cell over eager's steps/s for the program; None when either is missing."""
+def baseline(doc: dict[str, Any], program: str, runner: str) -> float | None:
+    """Eager's steps/s from the run that measured `runner`'s cell of `program`, else None.
+
+    Never another run's: a merged results.json keeps cells of several runs, and dividing by an
+    eager measured under other load would make a ratio too small or too large. A document
+    without run ids (coexec_bench's) has one run: eager's own steps/s serves when neither cell
+    names a run.
+    """
     cells = doc["cells"][program]
-    sps = cells.get(runner, {}).get("steps_per_s")
-    base = cells.get("eager", {}).get("steps_per_s")
-    if not isinstance(sps, (int, float)) or not isinstance(base, (int, float)) or base <= 0:
+    eager = cells.get("eager", {})
+    run_id = cells.get(runner, {}).get("run_id")
+    if "baselines" in eager:
+        base = (eager["baselines"].get(run_id) or {}).get("steps_per_s")
+    else:
+        base = eager.get("steps_per_s") if run_id == eager.get("run_id") else None
+    return base if isinstance(base, (int, float)) and base > 0 else None
+
+
+def ratio(doc: dict[str, Any], program: str, runner: str) -> float | None:
+    """steps/s of the cell over the same run's eager steps/s; None when either is missing."""
+    sps = doc["cells"][program].get(runner, {}).get("steps_per_s")
+    base = baseline(doc, program, runner)
+    if not isinstance(sps, (int, float)) or base is None:
         return None
     return sps / base
+
+
+def run_labels(doc: dict[str, Any]) -> dict[str, str]:
+    """Short labels R1, R2, ... for the runs in meta.runs, in the order they ran."""
+    return {r["id"]: f"R{k}" for k, r in enumerate(doc["meta"].get("runs", []), start=1)}
+
+
+def several_runs(doc: dict[str, Any]) -> bool:
+    """Whether the table holds cells of more than one run (then every cell names its run)."""
+    return len({c.get("run_id") for cells in doc["cells"].values() for c in cells.values()}) > 1
+
+
+def _run_tag(doc: dict[str, Any], cell: dict[str, Any]) -> str:
+    if not several_runs(doc):
+        return ""
+    return ", " + run_labels(doc).get(cell.get("run_id"), "R?")
+
+
+def coverage(cell: dict[str, Any]) -> dict[str, Any] | None:
+    """terra's coverage in a cell: share of iterations co-executed, fallbacks per 100 iterations.
+
+    Two scopes: the timed repetitions (steady state, after tracing and warm-up) and the whole
+    cell (first step and warm-up included). None when the cell has no terra statistics.
+    """
+    stats = cell.get("stats") or {}
+    phases = stats.get("phases")
+    if not phases:
+        return None
+    out: dict[str, Any] = {}
+    total = sum(phases.get(p, 0) for p in ("tracing", "coexec", "eager"))
+    if total:
+        out["cell"] = {"iterations": total, "coexec_share": phases.get("coexec", 0) / total,
+                       "fallbacks_per_100": 100.0 * stats.get("fallbacks", 0) / total}
+    timed = cell.get("timed_counters") or {}
+    total = sum(timed.get(f"iterations_{p}", 0) for p in ("tracing", "coexec", "eager"))
+    if total:
+        fallbacks = timed.get("fallbacks")  # absent in cells measured before it was counted
+        out["timed"] = {"iterations": total,
+                        "coexec_share": timed.get("iterations_coexec", 0) / total,
+                        "fallbacks_per_100": (None if fallbacks is None
+                                              else 100.0 * fallbacks / total)}
+    return out or None
+
+
+def coverage_text(doc: dict[str, Any], program: str, runner: str = "terra") -> str:
+    """'98% / 0.0 (cell 90% / 2.1)': timed-repetition share and fallbacks per 100 iterations,
+    then the whole cell's; '-' when the cell did not run or has no statistics."""
+    cell = doc["cells"][program].get(runner)
+    cov = coverage(cell) if cell else None
+    if cov is None:
+        return "-"
+    parts = []
+    for scope in ("timed", "cell"):
+        c = cov.get(scope)
+        if c is None:
+            continue
+        fb = c["fallbacks_per_100"]
+        text = f"{c['coexec_share']:.0%} / {'?' if fb is None else f'{fb:.1f}'}"
+        parts.append(text if scope == "timed" else f"(cell {text})")
+    if "timed" not in cov:
+        parts.insert(0, "timed reps n/a")
+    return " ".join(parts)
 
 
 def verdict_of(cell: dict[str, Any]) -> str:
@@ -61,8 +144,10 @@ def cell_text(doc: dict[str, Any], program: str, runner: str) -> str:
         derived = derived_graph_only(doc, program) if runner == "terra-graph-only" else None
         if derived is None:
             return "n/a"
-        base = doc["cells"][program].get("eager", {}).get("steps_per_s")
-        r = f" ({derived['steps_per_s'] / base:.2f}x)" if isinstance(base, (int, float)) else ""
+        base = baseline(doc, program, "terra")  # derived from the terra cell: its run
+        terra = doc["cells"][program].get("terra", {})
+        r = (f" ({derived['steps_per_s'] / base:.2f}x{_run_tag(doc, terra)})"
+             if base is not None else "")
         return f"d:{derived['steps_per_s']:.0f}{r}"
     if status != "ok":
         partial = (cell.get("partial") or {}).get("steps_per_s")
@@ -71,19 +156,64 @@ def cell_text(doc: dict[str, Any], program: str, runner: str) -> str:
     r = ratio(doc, program, runner)
     mark = MARKS.get(verdict_of(cell), verdict_of(cell))
     speed = f"{cell['steps_per_s']:.0f}" + ("†" if cell.get("rep_spread", 0) > NOISY else "")
-    return f"{speed} ({r:.2f}x) {mark}" if r is not None else f"{speed} {mark}"
+    tag = _run_tag(doc, cell)
+    if r is not None:
+        return f"{speed} ({r:.2f}x{tag}) {mark}"
+    # No eager baseline from this cell's run (it failed): no ratio rather than a cross-run one.
+    return f"{speed} (no same-run eager{tag}) {mark}" if runner != "eager" else f"{speed} {mark}"
 
 
 # ---------------------------------------------------------------- Markdown
 
 def summary_table(doc: dict[str, Any]) -> str:
     runners = ordered_runners(doc)
-    lines = ["| program | " + " | ".join(runners) + " |",
-             "|---|" + "---|" * len(runners)]
+    cov = "terra coverage: coexec % / fallbacks per 100 it."
+    lines = ["| program | " + " | ".join(runners) + f" | {cov} |",
+             "|---|" + "---|" * (len(runners) + 1)]
     for program in ordered_programs(doc):
-        row = [cell_text(doc, program, r) for r in runners]
+        row = [cell_text(doc, program, r) for r in runners] + [coverage_text(doc, program)]
         lines.append(f"| {program} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def ratio_source(doc: dict[str, Any]) -> str:
+    """One line under the table: which run the ratios came from."""
+    labels = run_labels(doc)
+    used = [r["id"] for r in doc["meta"].get("runs", [])
+            if any(c.get("run_id") == r["id"] for cells in doc["cells"].values()
+                   for c in cells.values())]
+    if len(used) == 1:
+        return (f"All cells and ratios from one run, {labels[used[0]]} ({used[0]}); see Runs.")
+    if not used:
+        return "No run ids recorded: ratios use eager's steps/s as stored."
+    return ("Cells from runs " + ", ".join(labels[u] for u in used) + "; each cell names its "
+            "run, and its ratio divides by that run's eager only; see Runs.")
+
+
+def runs_table(doc: dict[str, Any]) -> str:
+    """The runs the table's cells came from: when, what they measured, `uptime` around them."""
+    labels = run_labels(doc)
+    counts: dict[str, int] = {}
+    for cells in doc["cells"].values():
+        for cell in cells.values():
+            counts[cell.get("run_id")] = counts.get(cell.get("run_id"), 0) + 1
+    lines = ["| run | started | finished | cells in this table | programs x runners | "
+             "uptime before | uptime after |", "|---|---|---|---|---|---|---|"]
+    for run in doc["meta"].get("runs", []):
+        what = (f"{', '.join(run.get('programs', []))} x {', '.join(run.get('runners', []))}"
+                if run.get("programs") else _md(run.get("note", "")))
+        lines.append(
+            f"| {labels[run['id']]} | {run.get('started', '?')} | {run.get('finished', '?')} | "
+            f"{counts.get(run['id'], 0)} | {what} | {_uptime_text(run.get('before'))} | "
+            f"{_uptime_text(run.get('after'))} |")
+    return "\n".join(lines) if len(lines) > 2 else "No run recorded."
+
+
+def _uptime_text(u: dict[str, Any] | None) -> str:
+    if not u:
+        return "-"
+    loads = ", ".join(f"{v:.2f}" for v in u.get("load_avg", []))
+    return f"load {loads}" if loads else _md(u.get("uptime", ""))
 
 
 def legend() -> str:
@@ -99,9 +229,18 @@ def legend() -> str:
         "eager column the "
         "mark is eager's own determinism (two runs compared). `†`: the timed repetitions "
         f"spread by more than {NOISY:.0%} of their median (load from other processes). "
-        "Eager is timed twice per program, before and after the other runners; the table and "
-        "all ratios use the faster of the two (so load on this shared machine cannot inflate a "
-        "speed-up); both are listed under Programs.\n\n"
+        "Ratios come from one run: a cell is divided by the eager baseline of the run that "
+        "measured it (`R1`, `R2`, ... in the cell when the table merges several runs; see Runs "
+        "below), never by another run's eager. In each run eager is timed before the first "
+        "group of runners and after each group (the peers, then the terra runners); the "
+        "baseline is the fastest of those (so load on this shared machine cannot inflate a "
+        "speed-up); all are listed under Programs. `no same-run eager`: that run's eager "
+        "failed, so no ratio is given.\n\n"
+        "terra coverage (the `terra` cell): share of iterations co-executed and fallbacks per "
+        "100 iterations over the timed repetitions (after tracing and warm-up), then `(cell "
+        "...)` the same over the whole cell (first step and warm-up included); an iteration is "
+        "a forward call, or a step where the step is wrapped (see \"terra: phases and "
+        "fallbacks\"). `?`: fallbacks were not counted per repetition when that cell ran.\n\n"
         "terra columns: `terra` is co-execution (`mode=\"coexec\"`), `terra-lazy` the "
         "serialized baseline (`mode=\"lazy\"`: the graph runs when Python needs a value), both "
         "through `terra_torch.wrap(model)` or, where a step calls its models several times, "
@@ -179,9 +318,13 @@ def failure_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def unavailable_lines(doc: dict[str, Any]) -> list[str]:
-    """'- **runner**: unavailable (programs): reason', one line per runner and reason."""
-    programs = ordered_programs(doc)
-    lines = []
+    """Skipped programs, then '- **runner**: unavailable (programs): reason' per runner and
+    reason."""
+    skipped = [p for p in ordered_programs(doc)
+               if doc["cells"][p].get("eager", {}).get("program_unavailable")]
+    lines = [f"- **{p}** (every runner): "
+             f"{_md(doc['cells'][p]['eager'].get('reason', ''))}" for p in skipped]
+    programs = [p for p in ordered_programs(doc) if p not in skipped]
     for runner in ordered_runners(doc):
         by_reason: dict[str, list[str]] = {}
         for program in programs:
@@ -351,7 +494,8 @@ def breakdown_section(doc: dict[str, Any]) -> str:
     rows = []
     for program in ordered_programs(doc):
         cells = doc["cells"][program]
-        eager = cells.get("eager", {}).get("steps_per_s")
+        eager = baseline(doc, program, "terra")  # the terra cells' run (same for terra-lazy
+        # unless a merge re-measured only one of them; the table shows terra's)
         eager_ms = f"{1e3 / eager:.3f}" if isinstance(eager, (int, float)) else ""
         derived = derived_graph_only(doc, program)
         derived_ms = f"{derived['ms']:.3f}" if derived else ""
@@ -397,10 +541,17 @@ def breakdown_section(doc: dict[str, Any]) -> str:
 
 def program_lines(doc: dict[str, Any]) -> list[str]:
     lines = []
+    labels = run_labels(doc)
     for program in ordered_programs(doc):
         eager = doc["cells"][program].get("eager", {})
         feats = ", ".join(eager.get("features", []))
-        runs = " and ".join(f"{r:.0f}" for r in eager.get("steps_per_s_runs", []))
+        per_run = [(labels.get(rid, "R?"), b.get("steps_per_s_runs") or [])
+                   for rid, b in (eager.get("baselines") or {}).items()]
+        if not per_run:
+            per_run = [("", eager.get("steps_per_s_runs", []))]
+        runs = "; ".join(f"{label + ': ' if label else ''}"
+                         + ", ".join(f"{r:.0f}" for r in values)
+                         for label, values in per_run if values)
         measured = f"; eager measured {runs} steps/s" if runs else ""
         lines.append(f"- **{program}**: {eager.get('description', '')} (features: {feats}; "
                      f"{eager.get('steps_per_rep', '?')} steps per repetition{measured})")
@@ -427,9 +578,19 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         summary_table(doc),
         "",
+        ratio_source(doc),
+        "",
         legend(),
         "",
         "![speed-up over eager](speedup.png)",
+        "",
+        "## Runs",
+        "",
+        "The runs the cells above came from (a run restricted with `--only`/`--runners` merges "
+        "into the table; each cell's ratio uses its own run's eager), with the load averages "
+        "(1, 5, 15 minutes, from `uptime`) before and after each run.",
+        "",
+        runs_table(doc),
         "",
         "## Correctness details",
         "",
@@ -535,7 +696,7 @@ def _bar(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float, widt
         return
     r = ratio(doc, program, runner)
     derived = derived_graph_only(doc, program) if runner == "terra-graph-only" else None
-    base = doc["cells"][program].get("eager", {}).get("steps_per_s")
+    base = baseline(doc, program, "terra")
     if cell.get("status") == "unavailable" and derived and isinstance(base, (int, float)):
         # Not measured: derived from the terra cell's statistics; drawn hollow and labelled.
         d = derived["steps_per_s"] / base
@@ -601,7 +762,7 @@ def plot_breakdown(doc: dict[str, Any], path: Path) -> None:
 def _breakdown_bars(ax: Any, doc: dict[str, Any], program: str, runner: str, x: float) -> float:
     """Two stacked bars at x for one cell; returns the tallest value drawn (eager units)."""
     cells = doc["cells"][program]
-    eager = cells.get("eager", {}).get("steps_per_s")
+    eager = baseline(doc, program, runner)
     cell = cells.get(runner, {})
     b = per_step_ms(cell)
     if not isinstance(eager, (int, float)) or b is None:

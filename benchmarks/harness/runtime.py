@@ -58,7 +58,9 @@ def load_program(name: str) -> ModuleType:
       QUICK_STEPS_PER_REP: int (optional, defaults to STEPS_PER_REP),
       build(seed: int, rt: Runtime) -> state,
       step(state, i: int) -> loss (0-d tensor or float; read only after the timed region),
-      digest(state) -> list[float] (optional: final-state summary compared against eager).
+      digest(state) -> list[float] (optional: final-state summary compared against eager),
+      UNAVAILABLE: str | None (optional: why the program cannot run here, e.g. a missing
+        optional package; the harness then skips it with that reason).
     """
     module = importlib.import_module(f"{PROGRAM_PACKAGE}.{name}")
     missing = [attr for attr in REQUIRED if not hasattr(module, attr)]

@@ -91,12 +91,14 @@ class TerraRunner(Runner):
         """Cumulative times and phase counts; the worker takes differences over the timed reps."""
         out = {key: 0.0 for key in TIME_FIELDS}
         out.update({f"iterations_{p}": 0.0 for p in PHASES})
+        out["fallbacks"] = 0.0  # differenced like the rest: the report's coverage column
         for _, obj in self._wrapped:
             st = self._terra.stats(obj)
             for key in TIME_FIELDS:
                 out[key] += float(getattr(st, key))
             for phase in PHASES:
                 out[f"iterations_{phase}"] += float(st.iterations.get(phase, 0))
+            out["fallbacks"] += float(st.fallbacks)
         return out
 
     def stats(self) -> dict[str, Any]:

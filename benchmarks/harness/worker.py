@@ -54,6 +54,15 @@ def run_cell(program: str, runner_name: str, cfg: CellConfig) -> dict[str, Any]:
     runner = make_runner(runner_name)
     result: dict[str, Any] = {"program": program, "runner": runner_name, "note": runner.note,
                               "status": "ok", "torch": torch.__version__}
+    # A program that needs a missing optional package (hf_gpt2: transformers) is skipped for
+    # every runner alike; run.py sees `program_unavailable` on the eager cell and spawns no more.
+    from benchmarks.harness.runtime import load_program
+
+    skip = getattr(load_program(program), "UNAVAILABLE", None)
+    if skip:
+        result.update(status="unavailable", reason=f"program skipped: {skip}",
+                      program_unavailable=True)
+        return result
     reason = runner.unavailable_reason()
     if reason is not None:
         result.update(status="unavailable", reason=reason)

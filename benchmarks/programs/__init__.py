@@ -4,6 +4,9 @@ Each module is one program a user could have written, in a tiny configuration th
 seconds per runner. The harness contract is in benchmarks/harness/runtime.py (load_program):
 build(seed, rt) -> state, step(state, i) -> loss, STEPS_PER_REP and friends. PROGRAMS lists them
 in report order: model families first, then programs built around one Python feature.
+
+A program that needs an optional package (hf_gpt2: transformers) sets UNAVAILABLE to a reason
+when it is missing; the harness then records the program as skipped instead of running it.
 """
 
 PROGRAMS: tuple[str, ...] = (
@@ -11,6 +14,7 @@ PROGRAMS: tuple[str, ...] = (
     "cnn_bn",
     "lstm",
     "gpt",
+    "hf_gpt2",
     "dcgan",
     "materialize",
     "generator",
