@@ -31,6 +31,9 @@ fi
 import importlib.util, sys
 sys.exit(0 if all(importlib.util.find_spec(m) for m in ("numpy", "pytest", "matplotlib")) else 1)
 PYEOF
+# The test extra (pyproject.toml): tiny HuggingFace models built from configs (random weights, no
+# downloads). It does not depend on torch, so the CPU torch above stays; tests skip without it.
+"$VPY" -c 'import transformers' 2>/dev/null || { echo "[setup] pip install transformers"; "$VPY" -m pip install -q transformers || echo "[setup] transformers could not be installed: its tests will be skipped"; }
 
 # Build: configure once, then let ninja decide what is stale (a no-op build takes < 1 s).
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}

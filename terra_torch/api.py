@@ -41,18 +41,33 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
     program = Program(type(model).__name__, mode, optimize)
+    # Calls in eval mode or under no_grad (a validation pass, a generate() loop) are a program of
+    # their own: their ops would otherwise be merged into the training step's TraceGraph, and
+    # every switch between the two would be a divergence of it.
+    evaluation: list[Program] = []
+
+    def evaluation_program() -> Program:
+        if not evaluation:
+            evaluation.append(Program(f"{type(model).__name__} (eval)", mode, optimize))
+            program.evaluation = evaluation[0]
+        return evaluation[0]
 
     def begin(module: torch.nn.Module, args: Any) -> None:
-        program.begin(runtime._stop_frame())
+        if module.training and torch.is_grad_enabled():
+            program.begin(runtime._stop_frame())
+        else:
+            evaluation_program().begin(runtime._stop_frame())
 
-    def sync_before_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    def sync_all(*args: Any, **kwargs: Any) -> None:
         program.synchronize()
+        if evaluation:
+            evaluation[0].synchronize()
 
     model._terra_program = program  # type: ignore[attr-defined]
     model._terra_handles = [  # type: ignore[attr-defined]
         model.register_forward_pre_hook(begin),
-        model.register_state_dict_pre_hook(sync_before_state_dict),
-        model._register_load_state_dict_pre_hook(lambda *a, **k: program.synchronize()),
+        model.register_state_dict_pre_hook(sync_all),
+        model._register_load_state_dict_pre_hook(sync_all),
     ]
     return model
 
@@ -61,6 +76,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Finish the graph's work, give every placeholder its value, and run eagerly from now on."""
     program = _program_of(model)
     program.close()
+    if program.evaluation is not None:
+        program.evaluation.close()
     for h in model._terra_handles:  # type: ignore[attr-defined]
         h.remove()
     del model._terra_handles  # type: ignore[attr-defined]
@@ -94,12 +111,20 @@ def synchronize(obj: Any = None) -> None:
         runtime.synchronize_all()
         _C.runtime.wait_direct()  # graphs of torch.compile(backend="terra") still running
     else:
-        _program_of(obj).synchronize()
+        program = _program_of(obj)
+        program.synchronize()
+        if program.evaluation is not None:
+            program.evaluation.synchronize()
 
 
 def stats(obj: Any) -> Stats:
-    """Iterations per phase, transitions, fallbacks, PythonRunner and GraphRunner exec/stall time."""
-    return _program_of(obj).stats()
+    """Iterations per phase, transitions, fallbacks, PythonRunner and GraphRunner exec/stall time
+    of the training program; `.evaluation` holds the same for the calls a wrapped model got in
+    eval mode or under no_grad (None if there were none)."""
+    program = _program_of(obj)
+    s = program.stats()
+    s.evaluation = program.evaluation.stats() if program.evaluation is not None else None
+    return s
 
 
 def explain(obj: Any) -> Any:

@@ -11,8 +11,10 @@ is computed: every op returns a placeholder tensor with the right metadata and n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
@@ -138,3 +140,19 @@ def record(fn: Callable[..., Any], *args: Any, mode: str = "record", **kwargs: A
     finally:
         region.close()
     return result, _trace_of(region)
+
+
+@contextlib.contextmanager
+def fail_at(op: str) -> Iterator[None]:
+    """Make the next intercepted op whose name starts with `op` (for example "aten::mm") raise, as
+    an internal error of the interceptor would: for testing that a program's error paths (a
+    failure in the middle of backward(), say) end in an exception, not a hang.
+
+        with terra_torch.debug.fail_at("aten::threshold_backward"):
+            loss.backward()        # RuntimeError: terra_torch: injected failure at ...
+    """
+    _C.inject_failure(op)
+    try:
+        yield
+    finally:
+        _C.inject_failure("")

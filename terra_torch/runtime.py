@@ -58,6 +58,8 @@ class Stats:
     graph_stall_s: float = 0.0  # GraphRunner blocked on decisions, feeds and gates
     tracing_s: float = 0.0  # time in traced (eager, recorded) iterations
     runner: dict[str, int] = field(default_factory=dict)  # raw counters of the C++ runners
+    # A wrapped model's calls in eval mode or under no_grad, a program of their own (api.wrap).
+    evaluation: "Stats | None" = None
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
@@ -95,6 +97,7 @@ class Program:
         self._counts0: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._timeline = Timeline()
         self._monitor = _log.DivergenceMonitor()
+        self.evaluation: Program | None = None  # a wrapped model's eval-mode program (api.wrap)
         _programs.add(self)
 
     # ---- iteration boundaries -----------------------------------------------------------------

@@ -14,12 +14,16 @@ namespace terra::capture {
 
 namespace {
 
+// A placeholder argument without a value. One whose storage has memory (an alias autograd saved
+// of a placeholder that was given its value at a fall back) becomes an ordinary tensor on the
+// way: the kernel that issued this op reads it like any other.
 bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
+  auto unbacked = [](const c10::IValue& v) { return v.isTensor() && !adopt_if_backed(v.toTensor()); };
   for (auto it = stack.end() - nargs; it != stack.end(); ++it) {
-    if (it->isTensor() && is_placeholder(it->toTensor())) return true;
+    if (unbacked(*it)) return true;
     if (it->isTensorList() || it->isOptionalTensorList())
       for (const c10::IValue& e : it->toListRef())
-        if (e.isTensor() && is_placeholder(e.toTensor())) return true;
+        if (unbacked(e)) return true;
   }
   return false;
 }

@@ -24,6 +24,19 @@ namespace terra::capture {
 namespace {
 
 std::atomic<Region*> g_active{nullptr};
+std::atomic<bool> g_failure_armed{false};
+std::mutex g_failure_mu;
+std::string g_failure_op;  // guarded by g_failure_mu
+
+// Throws if a failure is armed for `op` (and disarms it).
+void check_injected_failure(const c10::OperatorHandle& op) {
+  std::lock_guard<std::mutex> lock(g_failure_mu);
+  const std::string name = c10::toString(op.operator_name());
+  if (g_failure_op.empty() || name.rfind(g_failure_op, 0) != 0) return;
+  g_failure_op.clear();
+  g_failure_armed.store(false, std::memory_order_relaxed);
+  TORCH_CHECK(false, "terra_torch: injected failure at ", name, " (terra_torch.debug.fail_at)");
+}
 std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
 
 
@@ -83,6 +96,12 @@ bool is_host_op(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) 
 }  // namespace
 
 Region* active_region() { return g_active.load(std::memory_order_acquire); }
+
+void inject_failure(const std::string& op) {
+  std::lock_guard<std::mutex> lock(g_failure_mu);
+  g_failure_op = op;
+  g_failure_armed.store(!op.empty(), std::memory_order_relaxed);
+}
 
 Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(stop_frame) {
   // Sized up front: growing the tables rehashes every entry (it cost more per op than the
@@ -300,6 +319,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   auto node = torch::autograd::get_current_node();
   const bool has_python = PyGILState_GetThisThreadState() != nullptr;
   GilForLocations gil(has_python);
+  if (g_failure_armed.load(std::memory_order_relaxed)) check_injected_failure(op);  // (GIL held: released by RAII)
   std::lock_guard<std::mutex> lock(mu_);
   ++handled_;
   // Built in place: a record is too large to move around cheaply.

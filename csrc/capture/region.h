@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <optional>
 
 #include "capture/program_location.h"
@@ -140,5 +141,10 @@ class Region {
 
 // The region ops are routed to, or nullptr.
 Region* active_region();
+
+// Fault injection for error paths (terra_torch.debug.fail_at): the next op named `op` (for
+// example "aten::mm") that reaches Region::handle throws instead of running, as an internal
+// error of the interceptor would; an empty name disarms it. Checked with one relaxed load.
+void inject_failure(const std::string& op);
 
 }  // namespace terra::capture

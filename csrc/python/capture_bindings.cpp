@@ -64,6 +64,8 @@ void init_capture(py::module_& m) {
     return std::string("Cannot access the data of a ") + impl->tensorimpl_type_name();
   });
   m.def("shape_cache_size", &capture::shape_cache_size);
+  m.def("inject_failure", &capture::inject_failure, py::arg("op"),
+        "The next op whose name starts with `op` that the interceptor handles raises (empty: disarm)");
 
   // `with _C.suspended():` runs Python code with interception off on this thread (reads of
   // tensor memory that torch implements with internal ops, which are no ops of the program).
