@@ -1,5 +1,6 @@
 #include "capture/region.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
@@ -38,6 +39,7 @@ void check_injected_failure(const c10::OperatorHandle& op) {
   TORCH_CHECK(false, "terra_torch: injected failure at ", name, " (terra_torch.debug.fail_at)");
 }
 std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
+std::atomic<size_t> g_expected_externals{64};  // and its external inputs
 
 
 // A Python float passed straight to an op (a learning rate, Adam's bias correction) is a value
@@ -71,10 +73,18 @@ struct MetaOf {
   operator TensorMeta() const { return meta_of(t); }
 };
 
+// A wrapped number is one element in CPU memory: copied without going through the dispatcher
+// (a clone() op cost more than the rest of the record of the op that read it).
 at::Tensor copy_wrapped_number(const at::Tensor& t) {
-  SuspendGuard no_interception;
-  c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
-  at::Tensor copy = t.clone();
+  at::Tensor copy;
+  if (t.is_cpu() && t.dim() == 0 && t.data_ptr() != nullptr) {
+    copy = at::detail::empty_cpu({}, t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    std::memcpy(copy.data_ptr(), t.data_ptr(), t.element_size());
+  } else {
+    SuspendGuard no_interception;
+    c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
+    copy = t.clone();
+  }
   copy.unsafeGetTensorImpl()->set_wrapped_number(true);
   return copy;
 }
@@ -110,6 +120,9 @@ Region::Region(Mode mode, PyFrameObject* stop_frame) : mode_(mode), locations_(s
   // region's size is the best guess.
   const size_t expected = g_expected_ops.load(std::memory_order_relaxed);
   trace_.ops.reserve(expected + expected / 8);
+  const size_t externals = g_expected_externals.load(std::memory_order_relaxed);
+  trace_.externals.reserve(externals + externals / 8);
+  externals_alive_.reserve(externals + externals / 8);
   produced_.reserve(expected);
   produced_storage_.reserve(expected);
 }
@@ -134,6 +147,7 @@ void Region::close() {
   g_active.store(nullptr, std::memory_order_release);
   open_ = false;
   g_expected_ops.store(std::max<size_t>(trace_.ops.size(), 16), std::memory_order_relaxed);
+  g_expected_externals.store(std::max<size_t>(trace_.externals.size(), 8), std::memory_order_relaxed);
   // The tables only serve the open region; a closed one (kept for its trace) holds no memory.
   produced_ = decltype(produced_)();
   produced_storage_ = decltype(produced_storage_)();
