@@ -19,6 +19,7 @@ optimizer step and logging between two forward calls belong to it.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from terra_torch.explanation import Fallback, explanation_from
 logger = logging.getLogger("terra_torch")
 
 PHASES = ("tracing", "coexec", "eager")
+_ITERATIONS_KEPT = 200_000  # iterations a timeline shows (the oldest are dropped first)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -95,7 +97,9 @@ class Program:
         self._region_phase = ""
         self._t0 = 0
         self._counts0: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self._timeline = Timeline()
+        self._timeline = Timeline()  # phase changes and fallbacks; iterations are in _iteration_log
+        # (iteration, phase, start ns, end ns, counters at start, at end): bounded like a timeline.
+        self._iteration_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_ITERATIONS_KEPT)
         self._monitor = _log.DivergenceMonitor()
         self.evaluation: Program | None = None  # a wrapped model's eval-mode program (api.wrap)
         _programs.add(self)
@@ -149,22 +153,24 @@ class Program:
                     self._t0 = 0
                 return
             phase = self._region_phase
-            elapsed = (time.monotonic_ns() - self._t0) / 1e9
+            now = time.monotonic_ns()
+            elapsed = (now - self._t0) / 1e9
             self._stats.iterations[phase] += 1
-            self._timeline.complete(f"iteration {self.iteration} ({phase})", "exec", PYTHON_RUNNER, self._t0,
-                                    time.monotonic_ns() - self._t0)
             if phase == "coexec":
                 diverged = self._session.close(region, partial)
                 counts = self._session.counters()
                 stall = (counts[0] - self._counts0[0]) / 1e9
                 self._stats.python_stall_s += stall
                 self._stats.python_exec_s += max(0.0, elapsed - stall)
-                self._record_iteration_events(stall, counts)
+                # One tuple per iteration; timeline() turns them into events (nothing is formatted
+                # at every iteration boundary).
+                self._iteration_log.append((self.iteration, phase, self._t0, now, self._counts0, counts))
                 if diverged:
                     fallback = self._record_fallback(region)
                     self._session.add(region)
                     self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
             else:
+                self._iteration_log.append((self.iteration, phase, self._t0, now, None, None))
                 region.close()
                 self._stats.tracing_s += elapsed
                 if partial:
@@ -220,20 +226,26 @@ class Program:
         _log.phase_transition(self.name, old, phase, self.iteration, reason)
         self._timeline.instant(f"{old} -> {phase}", "decision", PYTHON_RUNNER, args={"reason": reason})
 
-    def _record_iteration_events(self, stall_s: float, counts: tuple[int, int, int, int]) -> None:
-        # Where in the iteration Python waited is not recorded, only how long: the stall is
-        # drawn at the iteration's end, and the channel traffic as counters.
-        now = time.monotonic_ns()
-        if stall_s > 0:
-            self._timeline.complete("stalled on the graph", "stall", PYTHON_RUNNER, now - int(stall_s * 1e9),
-                                    int(stall_s * 1e9), {"position": "approximate"})
-        c0 = self._counts0
-        self._timeline.counter("channel", {"decisions": counts[1] - c0[1], "feeds": counts[2] - c0[2],
-                                           "python_reads": counts[3] - c0[3]}, now, cat="feed")
+    @staticmethod
+    def _iteration_events(out: Timeline, entry: tuple[Any, ...]) -> None:
+        """The events of one logged iteration. Where in the iteration Python waited is not
+        recorded, only how long: the stall is drawn at the iteration's end, and the channel
+        traffic as counters."""
+        iteration, phase, t0, t1, c0, c1 = entry
+        out.complete(f"iteration {iteration} ({phase})", "exec", PYTHON_RUNNER, t0, t1 - t0)
+        if c0 is None:
+            return
+        stall = c1[0] - c0[0]
+        if stall > 0:
+            out.complete("stalled on the graph", "stall", PYTHON_RUNNER, t1 - stall, stall, {"position": "approximate"})
+        out.counter("channel", {"decisions": c1[1] - c0[1], "feeds": c1[2] - c0[2], "python_reads": c1[3] - c0[3]},
+                    t1, cat="feed")
 
     def timeline(self) -> Timeline:
         """Both runners on one time axis (Chrome trace JSON: .save(path), open in Perfetto)."""
         out = Timeline(origin_ns=self._timeline.origin_ns, max_events=None)
+        for entry in self._iteration_log:
+            self._iteration_events(out, entry)
         out._events.extend(self._timeline._events)  # noqa: SLF001 - same module family
         for k, (start, end) in enumerate(self._session.graph_spans()):
             out.complete(f"graph run {k}", "exec", GRAPH_RUNNER, start, end - start)
