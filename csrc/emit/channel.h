@@ -64,7 +64,7 @@ inline constexpr const char* kFeedScalarOp = "terra::feed_scalar";
 inline constexpr const char* kFeedIntOp = "terra::feed_int";
 inline constexpr const char* kFeedBoolOp = "terra::feed_bool";
 inline constexpr const char* kFeedIntListOp = "terra::feed_int_list";
-// Not a dispatcher op: a JIT operator that calls the operator its node names boxed (channel_ops.cpp).
+// Not a dispatcher op: a JIT operator that calls the operator it names boxed (channel_ops.cpp).
 inline constexpr const char* kBoxedCallOp = "terra::boxed_call";
 
 }  // namespace terra::emit
