@@ -32,6 +32,7 @@ class Fallback:
     iteration: int
     reason: str
     source_line: str | None = None
+    op: str | None = None  # the operator it left the graph at ("aten::select.int"), when known
 
 
 @dataclass
@@ -45,6 +46,10 @@ class Explanation:
     graph_text: str | None = None  # the generated TorchScript graph
     phases: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[Fallback] = field(default_factory=list)
+    # A program that did not converge and runs eagerly for a while (runtime.MAX_UNCONVERGED_
+    # ITERATIONS): {"op", "line", "how", "iterations", "eager_for"}; None otherwise.
+    not_converged: dict[str, Any] | None = None
+    eager_reason: str = ""  # why the program last moved to phase "eager"
     # The _C.emit.Graph the picture is drawn from; None before any graph was built.
     _graph: Any = field(default=None, repr=False, compare=False)
 
@@ -87,6 +92,12 @@ class Explanation:
             out.append(f"  TorchScript graph: {len(self.graph_text.splitlines())} lines")
         if self.phases:
             out.append("  phases: " + ", ".join(f"{k}={v}" for k, v in self.phases.items()))
+        if self.not_converged:
+            nc = self.not_converged
+            out.append(f"  not converged after {nc['iterations']} iterations: {nc['op']} at {nc['line']} keeps "
+                       f"differing ({nc['how']}); eager for {nc['eager_for']} iterations, then traced again")
+        elif self.eager_reason:
+            out.append(f"  eager: {self.eager_reason}")
         out.append(f"  fallbacks: {len(self.fallbacks)}")
         # Grouped by line: a site that falls back every iteration is one line to fix, not many.
         sites: dict[str | None, list[Fallback]] = {}
@@ -111,6 +122,8 @@ def explanation_from(
     phases: dict[str, Any],
     fallbacks: Iterable[Fallback | Sequence[Any]],
     graph_text: str | None = None,
+    not_converged: dict[str, Any] | None = None,
+    eager_reason: str = "",
 ) -> Explanation:
     """Build an Explanation from what the runtime holds.
 
@@ -128,6 +141,8 @@ def explanation_from(
         graph_text=graph_text if graph_text is not None or native is None else native.text,
         phases=dict(phases),
         fallbacks=[fb if isinstance(fb, Fallback) else Fallback(*fb) for fb in fallbacks],
+        not_converged=dict(not_converged) if not_converged else None,
+        eager_reason=eager_reason,
         _graph=native,
     )
 

@@ -42,6 +42,13 @@ logger = logging.getLogger("terra_torch")
 PHASES = ("tracing", "coexec", "eager")
 _ITERATIONS_KEPT = 200_000  # iterations a timeline shows (the oldest are dropped first)
 
+# A program that has not converged after this many iterations in a row that were traced or fell
+# back (none co-executed to its end) stops paying for capture: it runs eagerly for a while, then
+# traces again (issue 16, item 2).
+MAX_UNCONVERGED_ITERATIONS = 20
+# Eager iterations before the first retry; each retry that fails again doubles it.
+EAGER_BACKOFF = 50
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
@@ -59,6 +66,9 @@ class Stats:
     graph_exec_s: float = 0.0  # GraphRunner: running the graph minus its stalls
     graph_stall_s: float = 0.0  # GraphRunner blocked on decisions, feeds and gates
     tracing_s: float = 0.0  # time in traced (eager, recorded) iterations
+    eager_reason: str = ""  # why the program last moved to phase "eager" ("" if it never did)
+    # When it gave up converging: {"op", "line", "how", "iterations", "eager_for"} (else None).
+    not_converged: dict[str, Any] | None = None
     runner: dict[str, int] = field(default_factory=dict)  # raw counters of the C++ runners
     # A wrapped model's calls in eval mode or under no_grad, a program of their own (api.wrap).
     evaluation: "Stats | None" = None
@@ -102,6 +112,13 @@ class Program:
         self._iteration_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_ITERATIONS_KEPT)
         self._monitor = _log.DivergenceMonitor()
         self.evaluation: Program | None = None  # a wrapped model's eval-mode program (api.wrap)
+        # Convergence (MAX_UNCONVERGED_ITERATIONS): iterations in a row that were traced or fell
+        # back, where each one left the program, the ops of the last traced one, the back-off.
+        self._unconverged = 0
+        self._differences: list[dict[str, str]] = []
+        self._previous_ops: list[Any] = []
+        self._eager_left: int | None = None
+        self._backoff = EAGER_BACKOFF
         _programs.add(self)
 
     # ---- iteration boundaries -----------------------------------------------------------------
@@ -151,6 +168,13 @@ class Program:
                     self._stats.iterations["eager"] += 1
                     self.iteration += 1
                     self._t0 = 0
+                    if self._eager_left is not None:
+                        self._eager_left -= 1
+                        if self._eager_left <= 0:
+                            self._eager_left = None
+                            self._unconverged = 0
+                            self._differences.clear()
+                            self._move("tracing", f"retrying after {self._backoff // 2} eager iterations")
                 return
             phase = self._region_phase
             now = time.monotonic_ns()
@@ -167,8 +191,20 @@ class Program:
                 self._iteration_log.append((self.iteration, phase, self._t0, now, self._counts0, counts))
                 if diverged:
                     fallback = self._record_fallback(region)
-                    self._session.add(region)
-                    self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
+                    unsupported = self._session.diverged_at_unsupported()
+                    covered = self._session.add(region)
+                    self._unconverged += 1
+                    self._differences.append({"op": fallback.op, "line": fallback.source_line or "<unknown line>",
+                                              "how": fallback.reason})
+                    # At an op the graph cannot express, a new graph would stop there too: the
+                    # path runs eagerly from that op on, the program stays in co-execution.
+                    if self._unconverged >= MAX_UNCONVERGED_ITERATIONS and self.mode != "trace":
+                        self._give_up()
+                    elif not (unsupported and covered):
+                        self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
+                else:
+                    self._unconverged = 0
+                    self._differences.clear()
             else:
                 self._iteration_log.append((self.iteration, phase, self._t0, now, None, None))
                 region.close()
@@ -177,18 +213,89 @@ class Program:
                     self.iteration += 1
                     return
                 covered = self._session.add(region)
-                if covered and self.mode != "trace":
+                self._unconverged += 1
+                if not covered:
+                    self._differences.append(self._difference(region, self._session.last_uncovered))
+                self._previous_ops = region.ops()
+                if not covered and self._unconverged >= MAX_UNCONVERGED_ITERATIONS and self.mode != "trace":
+                    self._give_up()
+                elif covered and self.mode != "trace":
                     try:
                         self._session.build()
                     except RuntimeError as e:
-                        # Not expressible as a graph: stay correct, run eagerly from now on.
+                        # Not expressible as a graph (ops it cannot express cost only their
+                        # paths, so this is rarer): stay correct, run eagerly, retry later.
                         self.fallbacks.append(Fallback(self.iteration, str(e), "<graph generation>"))
-                        logger.warning("%s: running eagerly: %s", self.name, e)
-                        self._move("eager", str(e))
+                        self._differences.append({"op": "<graph generation>", "line": "<graph generation>",
+                                                  "how": str(e)})
+                        self._give_up(str(e))
                     else:
                         self._stats.graph_builds += 1
+                        for _node, why in self._session.unsupported():
+                            # Once per build: every path through that op runs eagerly from it on.
+                            logger.warning("%s: the graph cannot run an op, its paths run eagerly: %s", self.name, why)
                         self._move("coexec", "the last traced iteration added nothing new")
             self.iteration += 1
+
+    def _difference(self, region: Any, k: int) -> dict[str, str]:
+        """Where (op, user line) and how the trace of `region` left the program at record `k`,
+        compared with the previous traced iteration: an attribute value, an output shape, another
+        op at that line, or an op or end the earlier iterations did not have there."""
+        ops = region.ops()
+        if not ops:
+            return {"op": "<no op>", "line": "<unknown line>", "how": "the iteration issued no op"}
+        prev = self._previous_ops
+        if k >= len(ops):
+            last = ops[-1]
+            return {"op": last[0], "line": Location(last[5], region).user_frame,
+                    "how": f"the iteration ended after {len(ops)} ops where earlier iterations went on"}
+        name, attrs, _h, _inputs, outputs, loc = ops[k][:6]
+        line = Location(loc, region).user_frame
+        same_line = [p for p in prev if p[5] == loc]
+        same_op = [p for p in same_line if p[0] == name]
+        if same_op:
+            p = min(same_op, key=lambda q: abs(prev.index(q) - k))
+            changed = [f"argument {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(p[1], attrs)) if repr(a) != repr(b)]
+            shapes = [f"output {i}: {list(a[1])} -> {list(b[1])}" for i, (a, b) in enumerate(zip(p[4], outputs))
+                      if list(a[1]) != list(b[1])]
+            if changed:
+                how = "attribute value differs (" + "; ".join(changed) + ")"
+            elif shapes:
+                how = "shape differs (" + "; ".join(shapes) + ")"
+            else:
+                how = f"issued at another place in the op sequence (op {k}, op {prev.index(p)} before)"
+        elif same_line:
+            how = f"another op at this line ({name}, {same_line[0][0]} before)"
+        elif k < len(prev):
+            how = f"an op the previous iteration did not issue here ({prev[k][0]} there before)"
+        else:
+            how = f"an op after the {len(prev)} ops the previous iteration ended with"
+        return {"op": name, "line": line, "how": how}
+
+    def _give_up(self, reason: str | None = None) -> None:
+        """Stop tracing a program that does not converge: one warning naming what keeps
+        differing, then eager iterations without capture cost until the back-off ends."""
+        diffs = self._differences or [{"op": "<unknown op>", "line": "<unknown line>", "how": reason or "unknown"}]
+        # The site that differed most often in this run, with its latest way of differing.
+        counts: dict[tuple[str, str], int] = {}
+        for d in diffs:
+            counts[(d["op"], d["line"])] = counts.get((d["op"], d["line"]), 0) + 1
+        op, line = max(counts, key=lambda key: counts[key])
+        how = [d for d in diffs if (d["op"], d["line"]) == (op, line)][-1]["how"]
+        eager_for = self._backoff
+        self._backoff *= 2
+        self._eager_left = eager_for
+        what = (f"did not converge after {self._unconverged} traced or fallen-back iterations: {op} at {line} keeps "
+                f"differing ({how})")
+        if reason is not None:
+            what = f"graph generation failed ({reason})"
+        self._stats.not_converged = {"op": op, "line": line, "how": how, "iterations": self._unconverged,
+                                     "eager_for": eager_for}
+        self._stats.eager_reason = what
+        logger.warning("%s: %s; running eagerly for %d iterations, then tracing again", self.name, what, eager_for)
+        self._unconverged = 0
+        self._differences.clear()
+        self._move("eager", what)
 
     def synchronize(self) -> None:
         """End the open iteration, wait for the graph, give every live placeholder its value."""
@@ -257,16 +364,19 @@ class Program:
                   "python_exec_s": s.python_exec_s, "python_stall_s": s.python_stall_s,
                   "graph_exec_s": s.graph_exec_s, "graph_stall_s": s.graph_stall_s, "phase": self.phase}
         return explanation_from(self._session if self._session.num_traces else None, phases, self.fallbacks,
-                                self._session.text or None)
+                                self._session.text or None, not_converged=s.not_converged,
+                                eager_reason=s.eager_reason)
 
     def _record_fallback(self, region: Any) -> Fallback:
         reason, record = self._session.divergence()
         line = "<end of iteration>"
+        op = "<end of iteration>"
         if record >= 0:
             ops = region.ops()
             if record < len(ops):
                 line = Location(ops[record][5], region).user_frame
-        fallback = Fallback(self.iteration, reason, line)
+                op = ops[record][0]
+        fallback = Fallback(self.iteration, reason, line, op)
         self.fallbacks.append(fallback)
         logger.info("%s: iteration %d fell back to eager at %s: %s", self.name, self.iteration, line, reason)
         self._timeline.instant("fallback", "fallback", PYTHON_RUNNER, args={"line": line, "reason": reason})

@@ -42,14 +42,19 @@ std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
 std::atomic<size_t> g_expected_externals{64};  // and its external inputs
 
 
-// A Python float passed straight to an op (a learning rate, Adam's bias correction) is a value
-// of the program, not part of the op's identity: it is hashed by type only, so that iterations
-// that differ in it share one TraceGraph node, and the generated graph receives it as a feed
-// (emit: scalar feeds). Floats inside lists (scale factors) stay part of the identity.
-uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true) {
+// A Python scalar passed straight to an op (a learning rate, Adam's bias correction, the index of
+// x[i], the sizes of a view, a keepdim flag) is a value of the program, not part of the op's
+// identity: it is hashed by type only (an int list by type and length), so that iterations that
+// differ in it share one TraceGraph node, and the generated graph receives it as a feed (emit:
+// scalar feeds, captured_program.h: scalar_kind). Scalars inside other lists (float scale
+// factors) stay part of the identity, and so do all of a terra:: op's (`generalize` false).
+// Opaque objects (the profiler's record handle, a ScriptObject new every iteration) are hashed
+// by type: their identity is not the program's.
+uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true, bool generalize = true) {
   h = trace::hash_combine(h, static_cast<uint64_t>(v.tag));
-  if (v.isInt()) return trace::hash_combine(h, static_cast<uint64_t>(v.toInt()));
-  if (v.isBool()) return trace::hash_combine(h, v.toBool());
+  const bool value = top_level && generalize;
+  if (v.isInt()) return value ? h : trace::hash_combine(h, static_cast<uint64_t>(v.toInt()));
+  if (v.isBool()) return value ? h : trace::hash_combine(h, v.toBool());
   if (v.isDouble() && top_level) return h;
   if (v.isDouble()) {
     double d = v.toDouble();
@@ -59,11 +64,12 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true)
   }
   if (v.isString()) return trace::hash_combine(h, std::hash<std::string>()(v.toStringRef()));
   if (v.isDevice()) return trace::hash_combine(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+  if (v.isIntList() && value) return trace::hash_combine(h, v.toListRef().size());
   if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e, false);
     return h;
   }
-  return h;  // None, Generator, ...: the tag says enough
+  return h;  // None, Generator, Object, ...: the tag says enough
 }
 
 // emplace_back(MetaOf{t}) builds the TensorMeta in the record's slot (the conversion's result
@@ -218,6 +224,8 @@ void Region::produce(const at::Tensor& t, int32_t record, int32_t output) {
 
 void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args) {
   uint64_t h = 0x5eed;
+  // (emit::generalizes, without the emit layer: terra:: ops keep their scalars in the identity)
+  const bool generalize = rec.op.operator_name().getNamespace() != "terra";
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = args[i];
     if (v.isTensor()) {
@@ -238,7 +246,7 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
     if (!is_tensor_like(v)) {
       rec.attributes.push_back(v);
       rec.attribute_arguments.push_back(static_cast<int16_t>(i));
-      h = hash_attribute(h, v);
+      h = hash_attribute(h, v, true, generalize);
     }
   }
   rec.attributes_hash = h;

@@ -6,6 +6,7 @@
 #include <c10/core/UndefinedTensorImpl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include <ATen/core/enum_tag.h>
@@ -38,6 +39,71 @@ uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec, 
 }
 
 }  // namespace
+
+bool generalizes(const c10::OperatorHandle& op) { return op.operator_name().getNamespace() != "terra"; }
+
+std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v) {
+  using K = EmittedGraph::ScalarKind;
+  if (v.isDouble()) return K::kFloat;
+  if (v.isInt()) return K::kInt;
+  if (v.isBool()) return K::kBool;
+  if (v.isIntList()) return K::kIntList;
+  return std::nullopt;
+}
+
+bool scalar_bits(const c10::IValue& v, EmittedGraph::ScalarKind kind, std::vector<int64_t>& out) {
+  using K = EmittedGraph::ScalarKind;
+  out.clear();
+  switch (kind) {
+    case K::kFloat: {
+      if (!v.isDouble()) return false;
+      const double d = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);  // bits, not value: -0.0 and 0.0 differ in results
+      out.push_back(bits);
+      return true;
+    }
+    case K::kInt:
+      if (!v.isInt()) return false;
+      out.push_back(v.toInt());
+      return true;
+    case K::kBool:
+      if (!v.isBool()) return false;
+      out.push_back(v.toBool() ? 1 : 0);
+      return true;
+    case K::kIntList:
+      if (!v.isIntList()) return false;
+      for (const c10::IValue& e : v.toListRef()) out.push_back(e.toInt());
+      return true;
+  }
+  return false;
+}
+
+bool scalar_equals(const c10::IValue& v, EmittedGraph::ScalarKind kind, const std::vector<int64_t>& bits) {
+  using K = EmittedGraph::ScalarKind;
+  switch (kind) {
+    case K::kFloat: {
+      if (!v.isDouble() || bits.size() != 1) return false;
+      const double d = v.toDouble();
+      int64_t b;
+      std::memcpy(&b, &d, sizeof b);
+      return b == bits[0];
+    }
+    case K::kInt:
+      return v.isInt() && bits.size() == 1 && v.toInt() == bits[0];
+    case K::kBool:
+      return v.isBool() && bits.size() == 1 && (v.toBool() ? 1 : 0) == bits[0];
+    case K::kIntList: {
+      if (!v.isIntList()) return false;
+      const auto& list = v.toListRef();
+      if (list.size() != bits.size()) return false;
+      for (size_t i = 0; i < bits.size(); ++i)
+        if (list[i].toInt() != bits[i]) return false;
+      return true;
+    }
+  }
+  return false;
+}
 
 bool is_none_input(const capture::Trace& trace, const capture::OpInput& input) {
   const capture::ValueRef& v = input.value;
@@ -151,10 +217,13 @@ uint32_t CapturedProgram::add(const capture::Trace& captured) {
     if (rec.checked) add_check(capture::check_key(rec.location, rec.op));
     for (const capture::TensorMeta& out : rec.outputs) note_device(out.device);
     if (slot) {
+      const bool scalars = generalizes(rec.op);
       for (size_t a = 0; a < slot->attributes.size() && a < rec.attributes.size(); ++a) {
         const c10::IValue& was = slot->attributes[a];
         const c10::IValue& now = rec.attributes[a];
-        if (was.isDouble() && now.isDouble() && was.toDouble() != now.toDouble()) slot->varying[a] = true;
+        if (const auto kind = scalars ? scalar_kind(was) : std::nullopt)
+          if (!slot->varying[a] && scalar_bits(was, *kind, scratch_) && !scalar_equals(now, *kind, scratch_))
+            slot->varying[a] = true;
         if (was.isGenerator() && now.isGenerator() &&
             was.toGenerator().unsafeGetGeneratorImpl() != now.toGenerator().unsafeGetGeneratorImpl())
           slot->varying[a] = true;

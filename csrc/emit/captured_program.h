@@ -16,6 +16,7 @@
 
 #include "capture/trace_record.h"
 #include "capture/value_checks.h"
+#include "emit/emitted_graph.h"
 #include "trace/hash.h"
 #include "trace/trace_graph.h"
 
@@ -40,11 +41,22 @@ struct OpInfo {
   std::vector<c10::IValue> attributes;  // non-tensor arguments, in schema order
   std::vector<TensorArg> tensor_args;   // per input slot of the node
   uint32_t num_outputs = 0;             // tensor outputs, lists flattened
-  // Per attribute: a Python float whose value differed between the records merged into this
-  // node (the graph feeds it instead of baking it in), or a torch.Generator that was another
-  // object (the graph cannot draw from it).
+  // Per attribute: a Python scalar (scalar_kind) whose value differed between the records
+  // merged into this node (the graph feeds it instead of baking it in), or a torch.Generator
+  // that was another object (the graph cannot draw from it).
   std::vector<bool> varying;
 };
+
+// The attributes the graph takes as values (EmittedGraph::ScalarUse): top-level floats, ints,
+// bools and int lists. Every other attribute (strings, devices, None, lists of floats) is part of
+// the node's identity. Ops of the terra namespace keep all of theirs (a terra::fetch marker's tag
+// names the read): `generalizes` says whether an op's scalars are values at all.
+bool generalizes(const c10::OperatorHandle& op);
+std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v);
+// `v`'s encoding (emitted_graph.h); false when it is not of kind `kind`.
+bool scalar_bits(const c10::IValue& v, EmittedGraph::ScalarKind kind, std::vector<int64_t>& out);
+// Whether `v` is of kind `kind` and encodes to `bits`, without building the encoding.
+bool scalar_equals(const c10::IValue& v, EmittedGraph::ScalarKind kind, const std::vector<int64_t>& bits);
 
 // Feed ids in the translated traces name an external tensor *object*: its TensorImpl address,
 // interned across all traces of the program (a parameter keeps one id). Python scalars that the
@@ -124,6 +136,7 @@ class CapturedProgram {
   std::unordered_map<const void*, uint32_t> feed_ids_;
   std::unordered_set<uint64_t> flattened_;
   std::unordered_set<uint64_t> checks_;
+  std::vector<int64_t> scratch_;  // add(): one attribute's encoding
 };
 
 // The OpKey.op of an operator: a stable 64-bit hash of "ns::name.overload", equal across runs.

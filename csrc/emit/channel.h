@@ -28,6 +28,9 @@ class ChannelSource {
   virtual void publish(int64_t /*tag*/, const at::Tensor& /*value*/) {}
   // Co-execution graphs: the Python float an op receives at scalar slot `slot` this time.
   virtual double feed_scalar(int64_t slot);
+  // Co-execution graphs: the next value of an int, bool or int-list scalar slot (a list is its
+  // length, then its elements, on the same slot). Slots are numbered with the float ones.
+  virtual int64_t feed_int(int64_t slot);
 };
 
 // The source the terra:: ops of this thread talk to, or nullptr. Thread-local because a graph
@@ -58,5 +61,10 @@ inline constexpr const char* kFetchOp = "terra::fetch";
 inline constexpr const char* kGateOp = "terra::gate";
 inline constexpr const char* kPublishOp = "terra::publish";
 inline constexpr const char* kFeedScalarOp = "terra::feed_scalar";
+inline constexpr const char* kFeedIntOp = "terra::feed_int";
+inline constexpr const char* kFeedBoolOp = "terra::feed_bool";
+inline constexpr const char* kFeedIntListOp = "terra::feed_int_list";
+// Not a dispatcher op: a JIT operator that calls the operator it names boxed (channel_ops.cpp).
+inline constexpr const char* kBoxedCallOp = "terra::boxed_call";
 
 }  // namespace terra::emit

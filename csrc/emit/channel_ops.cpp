@@ -6,6 +6,9 @@
 // so dead-code elimination keeps it, constant propagation does not run it at compile time even
 // with a constant site id, CSE does not merge two of them, and alias analysis treats its tensor
 // arguments as written and its results as wildcards, so no mutation moves across it.
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/custom_operator.h>
 #include <torch/library.h>
 
 #include "emit/channel.h"
@@ -42,6 +45,19 @@ void gate(int64_t node) { require(kGateOp).gate(node); }
 
 double feed_scalar(int64_t slot) { return require(kFeedScalarOp).feed_scalar(slot); }
 
+int64_t feed_int(int64_t slot) { return require(kFeedIntOp).feed_int(slot); }
+bool feed_bool(int64_t slot) { return require(kFeedBoolOp).feed_int(slot) != 0; }
+
+// An int list arrives as its length followed by its elements, all on the slot's one queue.
+std::vector<int64_t> feed_int_list(int64_t slot) {
+  ChannelSource& source = require(kFeedIntListOp);
+  const int64_t n = source.feed_int(slot);
+  TORCH_CHECK(n >= 0, "terra_torch: int list slot ", slot, " received the length ", n);
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (int64_t& v : out) v = source.feed_int(slot);
+  return out;
+}
+
 void publish(int64_t tag, const std::optional<at::Tensor>& value) {
   require(kPublishOp).publish(tag, value.has_value() ? *value : at::Tensor());
 }
@@ -60,6 +76,67 @@ double ChannelSource::feed_scalar(int64_t slot) {
   TORCH_CHECK(false, "terra_torch: this channel cannot feed scalar slot ", slot, " (co-execution graphs only)");
 }
 
+int64_t ChannelSource::feed_int(int64_t slot) {
+  TORCH_CHECK(false, "terra_torch: this channel cannot feed int slot ", slot, " (co-execution graphs only)");
+}
+
+namespace {
+
+// terra::boxed_call(str name, str overload, Any[] args) -> Any: an operator TorchScript's schema
+// matching refuses for the recorded argument types (aten::full with a bool fill value: a
+// TorchScript `Scalar` is int, float or complex, never bool) still runs, called through its
+// c10::OperatorHandle boxed, with exactly the IValues the dispatcher boxed in eager. One result
+// comes back as itself, none as None, several as a tuple (the emitter casts and unpacks them).
+// A fixed schema, not varargs: torch registers varargs JIT operators only for its own prim ops
+// (torch/csrc/jit/runtime/operator.cpp, registerOperator).
+void call_boxed(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  c10::List<c10::IValue> args = torch::jit::pop(stack).toList();
+  for (const c10::IValue& a : args) stack.push_back(a);
+  op.callBoxed(stack);
+  const size_t n = op.schema().returns().size();
+  if (n == 0) {
+    stack.emplace_back();
+  } else if (n > 1) {
+    std::vector<c10::IValue> results(std::make_move_iterator(stack.end() - n), std::make_move_iterator(stack.end()));
+    torch::jit::drop(stack, n);
+    stack.emplace_back(c10::ivalue::Tuple::create(std::move(results)));
+  }
+}
+
+c10::OperatorHandle find_op(const std::string& name, const std::string& overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+}
+
+torch::jit::Operation boxed_operation(const torch::jit::Node* node) {
+  // The emitter passes the operator's name as constants: resolve it once per graph.
+  const auto name = torch::jit::toIValue(node->input(0));
+  const auto overload = torch::jit::toIValue(node->input(1));
+  if (name && overload) {
+    const c10::OperatorHandle op = find_op(name->toStringRef(), overload->toStringRef());
+    return [op](torch::jit::Stack& stack) {
+      c10::IValue args = torch::jit::pop(stack);
+      torch::jit::drop(stack, 2);  // name, overload
+      stack.push_back(std::move(args));
+      call_boxed(op, stack);
+    };
+  }
+  return [](torch::jit::Stack& stack) {
+    c10::IValue args = torch::jit::pop(stack);
+    const std::string overload = torch::jit::pop(stack).toStringRef();
+    const std::string name = torch::jit::pop(stack).toStringRef();
+    stack.push_back(std::move(args));
+    call_boxed(find_op(name, overload), stack);
+  };
+}
+
+// Conservative alias analysis in a non-aten namespace: never folded, merged or removed, and
+// nothing moves across it.
+torch::jit::RegisterOperators boxed_call_registration({torch::jit::Operator(
+    std::string(kBoxedCallOp) + "(str name, str overload, Any[] args) -> Any", boxed_operation,
+    c10::AliasAnalysisKind::CONSERVATIVE)});
+
+}  // namespace
+
 ChannelScope::ChannelScope(ChannelSource* source) : saved_(t_current) { t_current = source; }
 ChannelScope::~ChannelScope() { t_current = saved_; }
 
@@ -76,6 +153,10 @@ TORCH_LIBRARY(terra, m) {
         &terra::emit::feed_or_none);
   m.def(torch::schema("gate(int node) -> ()", AliasAnalysisKind::CONSERVATIVE), &terra::emit::gate);
   m.def(torch::schema("feed_scalar(int slot) -> float", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed_scalar);
+  m.def(torch::schema("feed_int(int slot) -> int", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed_int);
+  m.def(torch::schema("feed_bool(int slot) -> bool", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed_bool);
+  m.def(torch::schema("feed_int_list(int slot) -> int[]", AliasAnalysisKind::CONSERVATIVE),
+        &terra::emit::feed_int_list);
   // A catch-all kernel: publish only ever runs inside generated graphs, never in a capture region.
   m.def(torch::schema("publish(int tag, Tensor? value) -> ()", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::publish);

@@ -6,8 +6,9 @@
 
 #include <cstdint>
 #include <memory>
-#include <unordered_map>
 #include <map>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -40,6 +41,7 @@ struct EmitStats {
   size_t switches = 0;   // prim::If chains made for switches
   size_t loops = 0;      // prim::Loop nodes
   size_t unrolled = 0;   // loops unrolled
+  size_t boxed = 0;      // ops TorchScript's schema matching refused, called boxed (terra::boxed_call)
   size_t nodes_after_passes = 0;
   double emit_ms = 0;      // building the graph
   double optimize_ms = 0;  // passes and lint
@@ -60,12 +62,17 @@ struct EmittedGraph {
   // Emitted inside a prim::Loop: its iterations share one copy, so a reader elsewhere sees only
   // the latest execution (the PythonRunner checks that Python reads that one too).
   std::vector<uint8_t> node_in_loop;
-  // Python floats among a node's attributes: fed per execution through
-  // scalar slot `slot`, or baked in as `constant` (slot -1), which Python must then still pass.
+  // Python scalars among a node's attributes (floats, ints, bools, int lists: view sizes,
+  // select indices, learning rates): fed per execution through scalar slot `slot` when they
+  // varied between the traces, or baked in as `constant` (slot -1), which Python must then
+  // still pass. Both in the encoding of scalar_bits (captured_program.h): a float as its bits,
+  // an int or bool as itself, an int list as its elements.
+  enum class ScalarKind : uint8_t { kFloat, kInt, kBool, kIntList };
   struct ScalarUse {
     uint32_t attribute;
     int64_t slot;
-    double constant;
+    ScalarKind kind;
+    std::vector<int64_t> constant;
   };
   std::unordered_map<trace::NodeId, std::vector<ScalarUse>> node_scalars;
   // torch.Generator arguments, baked in as constants: (attribute, the generator's impl). The graph
@@ -84,6 +91,10 @@ struct EmittedGraph {
     std::vector<std::pair<trace::NodeId, uint32_t>> producers;
   };
   std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, Selection>> selected_reads;
+  // Co-execution graphs: nodes the emitter could not express, with the reason. The graph stops
+  // at a gate Python never opens there; the PythonRunner diverges when the cursor reaches one,
+  // so only the paths through such a node run eagerly (from it on), never the whole program.
+  std::unordered_map<trace::NodeId, std::string> unsupported;
   size_t num_selections = 0;
   size_t num_scalar_slots = 0;
 

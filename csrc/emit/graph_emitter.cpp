@@ -19,6 +19,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "capture/interceptor.h"
 #include "emit/channel.h"
 #include "emit/value_flow.h"
 #include "trace/case_assignment.h"
@@ -68,6 +69,9 @@ class Emitter {
     gate_ = c10::Symbol::fromQualString(kGateOp);
     publish_ = c10::Symbol::fromQualString(kPublishOp);
     feed_scalar_ = c10::Symbol::fromQualString(kFeedScalarOp);
+    feed_int_ = c10::Symbol::fromQualString(kFeedIntOp);
+    feed_bool_ = c10::Symbol::fromQualString(kFeedBoolOp);
+    feed_int_list_ = c10::Symbol::fromQualString(kFeedIntListOp);
   }
 
   const std::vector<uint64_t>& stale_loops() const { return flow_.stale_loops(); }
@@ -246,17 +250,57 @@ class Emitter {
       if (!coexec_) emit_read(n, *info);  // co-execution: Python reads the published inputs
       return;
     }
+    if (info->tensor_args.empty() && !returns_tensors(schema)) {
+      // Host bookkeeping that neither takes nor gives tensors (the profiler's
+      // _record_function_exit of optimizer.step()): Python always runs it itself
+      // (capture/region.cpp, is_host_op), with the handle its own enter op returned; the
+      // graph has nothing to compute, and a baked-in handle would be another iteration's.
+      return;
+    }
     ++out_.stats.ops;
-    std::vector<Value*> args = arguments(n, *info);
+    if (!coexec_) {
+      emit_node(n, *info);
+      return;
+    }
+    // A node the graph cannot express costs only the paths through it: the graph waits there
+    // at a gate Python never opens (Python diverges at this node instead, with the reason), and
+    // its outputs are placeholders of the graph that nothing past the gate ever reads.
+    Node* stop = g_.insertNode(g_.create(gate_, {int_constant(n)}, 0));
+    try {
+      emit_node(n, *info);
+      stop->destroy();
+    } catch (const std::logic_error&) {
+      throw;  // a bug of ours, not something this op's arguments refused
+    } catch (const std::exception& e) {
+      out_.unsupported[n] = e.what();
+      std::vector<VarId> vars;
+      for (uint32_t k = 0; k < info->num_outputs; ++k) {
+        vars.clear();
+        flow_.assigned_by(n, k, copy_, vars);
+        Value* none = uninitialized();  // (inserted after the gate, like whatever emit_node left)
+        for (const VarId var : vars) assign(var, none);
+      }
+    }
+  }
+
+  void emit_node(NodeId n, const OpInfo& info) {
+    const c10::FunctionSchema& schema = info.op.schema();
+    std::vector<Value*> args = arguments(n, info);
     const uint64_t check = coexec_ ? cp_.check_key(n) : 0;
     const bool checked = coexec_ && cp_.is_check(check);
     if (checked) out_.gated_checks.insert(check);
-    const bool gated = coexec_ && (has_side_effect(info->op) || checked);
+    const bool gated = coexec_ && (has_side_effect(info.op) || checked);
     if (gated) channel_op(gate_, {int_constant(n)}, nullptr);
     Node* node = g_.insertNode(g_.create(c10::Symbol::fromQualString(schema.name()), args, 0));
     for (const c10::Argument& r : schema.returns()) node->addOutput()->setType(r.type());
-    check_overload(node, *info);
-    std::vector<Value*> outputs = bind_outputs(n, *info, node);
+    if (!resolves_to_recorded(node, info)) {
+      // TorchScript would run another overload, or none (a bool Scalar): call the recorded
+      // operator boxed instead, with the same arguments (channel_ops.cpp, terra::boxed_call).
+      node->destroy();
+      node = boxed_call(info, args);
+      ++out_.stats.boxed;
+    }
+    std::vector<Value*> outputs = bind_outputs(n, info, node);
     if (coexec_) publish(n, outputs, gated);
   }
 
@@ -334,7 +378,8 @@ class Emitter {
           if (attrs.at(next).isGenerator())  // the object itself: Python checks it passes the same one
             out_.node_generators[n].emplace_back(static_cast<uint32_t>(next),
                                                  attrs.at(next).toGenerator().unsafeGetGeneratorImpl());
-          out.push_back(attrs.at(next).isDouble() ? scalar(n, info, next) : constant(attrs.at(next)));
+          out.push_back(generalizes(info.op) && scalar_kind(attrs.at(next)) ? scalar(n, info, next)
+                                                                           : constant(attrs.at(next)));
           ++next;
           break;
         case TensorKind::kTensor:
@@ -374,33 +419,61 @@ class Emitter {
     return out;
   }
 
-  // A Python float attribute: fed when it varied between the traces, else a constant (which
-  // the PythonRunner checks Python passes again).
+  // A Python scalar attribute (float, int, bool, int list): fed when it varied between the
+  // traces, else a constant (which the PythonRunner checks Python passes again).
   Value* scalar(NodeId n, const OpInfo& info, size_t attribute) {
+    using K = EmittedGraph::ScalarKind;
     auto& uses = out_.node_scalars[n];
     const bool varying = attribute < info.varying.size() && info.varying[attribute];
-    const double value = info.attributes[attribute].toDouble();
+    const c10::IValue& value = info.attributes[attribute];
     auto it = std::find_if(uses.begin(), uses.end(), [&](const auto& u) { return u.attribute == attribute; });
     if (it == uses.end()) {
-      uses.push_back({static_cast<uint32_t>(attribute), varying ? static_cast<int64_t>(out_.num_scalar_slots++) : -1, value});
+      EmittedGraph::ScalarUse use{static_cast<uint32_t>(attribute),
+                                  varying ? static_cast<int64_t>(out_.num_scalar_slots++) : -1, *scalar_kind(value), {}};
+      scalar_bits(value, use.kind, use.constant);
+      uses.push_back(std::move(use));
       it = uses.end() - 1;
     }
-    if (it->slot < 0) return constant(c10::IValue(value));
-    return channel_op(feed_scalar_, {int_constant(it->slot)}, c10::FloatType::get());
+    if (it->slot < 0) return constant(value);
+    Value* slot = int_constant(it->slot);
+    switch (it->kind) {
+      case K::kFloat: return channel_op(feed_scalar_, {slot}, c10::FloatType::get());
+      case K::kInt: return channel_op(feed_int_, {slot}, c10::IntType::get());
+      case K::kBool: return channel_op(feed_bool_, {slot}, c10::BoolType::get());
+      case K::kIntList: return channel_op(feed_int_list_, {slot}, c10::ListType::ofInts());
+    }
+    throw std::logic_error("terra_torch: unknown scalar kind");
+  }
+
+  // terra::boxed_call(name, overload, [args...]) -> Any, cast back to the schema's returns. The
+  // node returned has one output per return, as the op's own node would (bind_outputs).
+  Node* boxed_call(const OpInfo& info, const std::vector<Value*>& args) {
+    const c10::FunctionSchema& schema = info.op.schema();
+    Value* list = g_.insertNode(g_.createList(c10::AnyType::get(), args))->output();
+    Node* call = g_.insertNode(g_.create(c10::Symbol::fromQualString(kBoxedCallOp),
+                                         {g_.insertConstant(schema.name()), g_.insertConstant(schema.overload_name()), list}, 1));
+    call->output()->setType(c10::AnyType::get());
+    const auto& returns = schema.returns();
+    if (returns.empty()) return call->output()->setType(c10::NoneType::get())->node();
+    if (returns.size() == 1) return g_.insertUncheckedCast(call->output(), returns[0].type())->node();
+    std::vector<c10::TypePtr> types;
+    for (const c10::Argument& r : returns) types.push_back(r.type());
+    Value* tuple = g_.insertUncheckedCast(call->output(), c10::TupleType::create(std::move(types)));
+    return g_.insertNode(g_.createTupleUnpack(tuple));
+  }
+
+  static bool returns_tensors(const c10::FunctionSchema& schema) {
+    for (const c10::Argument& r : schema.returns())
+      if (capture::type_contains_tensor(r.type())) return true;
+    return false;
   }
 
   // The JIT picks the overload itself from the input types (there is no way to pin one on a
-  // Node); refuse the rare case where it would run a different one than eager did.
-  void check_overload(Node* node, const OpInfo& info) {
+  // Node): true when it picks the one eager ran.
+  static bool resolves_to_recorded(Node* node, const OpInfo& info) {
     const c10::FunctionSchema* chosen = node->maybeSchema();
     const c10::OperatorName& want = info.op.operator_name();
-    if (chosen != nullptr && chosen->name() == want.name && chosen->overload_name() == want.overload_name) return;
-    std::ostringstream msg;
-    msg << "terra_torch: TorchScript resolves " << c10::toString(want) << " to "
-        << (chosen ? c10::toString(chosen->operator_name()) : std::string("no operator")) << " for inputs (";
-    for (size_t i = 0; i < node->inputs().size(); ++i) msg << (i ? ", " : "") << node->inputs()[i]->type()->str();
-    msg << ")";
-    throw std::runtime_error(msg.str());
+    return chosen != nullptr && chosen->name() == want.name && chosen->overload_name() == want.overload_name;
   }
 
   // Recorded outputs are the tensors of the results, lists flattened; map them back.
@@ -570,7 +643,8 @@ class Emitter {
   uint32_t epoch_ = 0;
   bool coexec_;
   int loop_depth_ = 0;  // prim::Loop bodies being emitted
-  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_, feed_scalar_;
+  c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_, feed_scalar_, feed_int_,
+      feed_bool_, feed_int_list_;
 };
 
 size_t count_nodes(const Block* b) {

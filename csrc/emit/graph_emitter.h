@@ -46,10 +46,12 @@ struct EmitOptions {
   bool coexec = false;
 };
 
-// `structured` must be assign_cases(program.graph()). Throws std::runtime_error for ops it cannot
-// express (an attribute TorchScript has no constant for, a torch.Generator that is another object
-// in different records; an overload the
-// JIT resolves differently), std::logic_error on internal inconsistencies.
+// `structured` must be assign_cases(program.graph()). An op whose overload TorchScript's schema
+// matching would not pick for the recorded arguments is called boxed (terra::boxed_call). Ops it
+// cannot express at all (an attribute TorchScript has no constant for, a torch.Generator that is
+// another object in different records) throw std::runtime_error, except in the co-execution
+// form, where they are listed in EmittedGraph::unsupported and only their paths run eagerly;
+// std::logic_error on internal inconsistencies.
 EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured,
                         const EmitOptions& options = {});
 

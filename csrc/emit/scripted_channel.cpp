@@ -1,6 +1,8 @@
 // ScriptedChannel and the script of a recorded trace.
 #include "emit/scripted_channel.h"
 
+#include <cstring>
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -50,11 +52,18 @@ std::string ScriptedChannel::leftovers() const {
   return out;
 }
 
-double ScriptedChannel::feed_scalar(int64_t slot) {
+int64_t ScriptedChannel::feed_int(int64_t slot) {
   auto& q = scalars_[slot];
   if (q.empty()) throw std::runtime_error("terra_torch: scripted channel has no value for scalar slot " + std::to_string(slot));
-  const double v = q.front();
+  const int64_t v = q.front();
   q.pop_front();
+  return v;
+}
+
+double ScriptedChannel::feed_scalar(int64_t slot) {
+  const int64_t bits = feed_int(slot);
+  double v;
+  std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 
@@ -105,7 +114,13 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
     auto scalars = emitted.node_scalars.find(nodes[i]);
     if (scalars != emitted.node_scalars.end())
       for (const auto& use : scalars->second)
-        if (use.slot >= 0) script.push_scalar(use.slot, captured.ops[i].attributes.at(use.attribute).toDouble());
+        if (use.slot >= 0) {
+          std::vector<int64_t> bits;
+          if (!scalar_bits(captured.ops[i].attributes.at(use.attribute), use.kind, bits))
+            throw std::runtime_error("terra_torch: record " + std::to_string(i) + " passes another kind of scalar than the graph feeds");
+          if (use.kind == EmittedGraph::ScalarKind::kIntList) script.push_scalar_bits(use.slot, static_cast<int64_t>(bits.size()));
+          for (const int64_t b : bits) script.push_scalar_bits(use.slot, b);
+        }
     uint32_t s = 0;  // slot numbering skips inputs that stand for None, as the translation does
     for (const capture::OpInput& input : captured.ops[i].inputs) {
       if (is_none_input(captured, input)) continue;

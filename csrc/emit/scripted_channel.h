@@ -27,12 +27,14 @@ class ScriptedChannel final : public ChannelSource {
   void push_selection(int64_t site, int64_t choice) { selections_[site].push_back(choice); }
   // An undefined tensor stands for "none" (a feed_or_none slot that read a graph value).
   void push_feed(int64_t slot, at::Tensor t) { feeds_[slot].push_back(std::move(t)); }
-  void push_scalar(int64_t slot, double v) { scalars_[slot].push_back(v); }
+  // A scalar slot's next value in the channel's encoding (emitted_graph.h, ScalarUse).
+  void push_scalar_bits(int64_t slot, int64_t bits) { scalars_[slot].push_back(bits); }
 
   int64_t case_select(int64_t site) override;
   bool loop_cond(int64_t site) override;
   at::Tensor feed(int64_t slot) override;
   double feed_scalar(int64_t slot) override;
+  int64_t feed_int(int64_t slot) override;
   // Keeps a copy: the graph may update the tensor in place after Python read it.
   void fetch(int64_t slot, const at::Tensor& value) override;
 
@@ -46,7 +48,7 @@ class ScriptedChannel final : public ChannelSource {
   std::deque<trace::Decision> decisions_;
   std::unordered_map<int64_t, std::deque<int64_t>> selections_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> feeds_;
-  std::unordered_map<int64_t, std::deque<double>> scalars_;
+  std::unordered_map<int64_t, std::deque<int64_t>> scalars_;
   std::vector<std::pair<int64_t, at::Tensor>> fetched_;
 };
 

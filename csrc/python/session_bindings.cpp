@@ -151,6 +151,19 @@ void init_session(py::module_& m) {
              if (!s.has_runner() || !s.runner().diverged()) return py::none();
              return py::make_tuple(s.runner().divergence_reason(), s.runner().divergence_record());
            })
+      .def_property_readonly("last_uncovered", &Session::last_uncovered,
+                             "Record index where the last merged trace left the program (-1: covered)")
+      .def("diverged_at_unsupported",
+           [](Session& s) { return s.has_runner() && s.runner().diverged_at_unsupported(); },
+           "The last iteration diverged at a node the graph cannot express: building again would not help")
+      .def("unsupported",
+           [](Session& s) {
+             py::list out;
+             if (const auto* e = s.emitted())
+               for (const auto& [node, reason] : e->unsupported) out.append(py::make_tuple(node, reason));
+             return out;
+           },
+           "(node, reason) of every op the generated graph could not express")
       .def(
           "synchronize",
           [](Session& s, bool finish) {

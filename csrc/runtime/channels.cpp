@@ -169,6 +169,8 @@ double ConcurrentChannel::feed_scalar(int64_t slot) {
   return value;
 }
 
+int64_t ConcurrentChannel::feed_int(int64_t slot) { return take_decision(kScalarKeyBase + slot); }
+
 void ConcurrentChannel::fetch(int64_t slot, const at::Tensor& value) {
   at::Tensor copy = value.clone();  // outside the lock: it can be a large copy
   {

@@ -28,7 +28,9 @@ class ValueTable;
 
 // Gates share the decision queues under their own key range (sites are small numbers).
 inline constexpr int64_t kGateKeyBase = int64_t(1) << 40;
-inline constexpr int64_t kScalarKeyBase = int64_t(2) << 40;  // scalar feeds, as their bits
+// Scalar feeds: a float as its bits, an int or bool as itself, an int list as its length and
+// then its elements. One range for all kinds (the backward replay refuses every key in it).
+inline constexpr int64_t kScalarKeyBase = int64_t(2) << 40;
 
 // Thrown on both sides once the channel is cancelled. On the graph side it unwinds the running
 // graph out of whatever channel op it was in (the interpreter rethrows it as a runtime_error,
@@ -68,6 +70,7 @@ class ConcurrentChannel final : public emit::ChannelSource {
   // Co-execution: hands the value to the value table (which must be attached).
   void publish(int64_t tag, const at::Tensor& value) override;
   double feed_scalar(int64_t slot) override;
+  int64_t feed_int(int64_t slot) override;
 
   // ---- Python side (never blocks except wait_fetch) ----
   // Case index at a case-select site, or kLoopContinue / kLoopExit at a loop-cond site: sites

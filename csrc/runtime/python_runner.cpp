@@ -72,6 +72,12 @@ at::Tensor argument_tensor(c10::ArrayRef<c10::IValue> args, const capture::OpInp
   return {};
 }
 
+uint64_t hash_sizes(uint64_t h, const at::Tensor& t) {
+  if (!t.defined()) return h;
+  for (const int64_t d : t.sizes()) h = trace::hash_combine(h, static_cast<uint64_t>(d));
+  return trace::hash_combine(h, static_cast<uint64_t>(t.dim()));
+}
+
 }  // namespace
 
 PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
@@ -117,6 +123,7 @@ void PythonRunner::begin_iteration() {
   record_nodes_.clear();
   latest_.clear();
   diverged_ = false;
+  at_unsupported_ = false;
   reason_.clear();
   divergence_record_ = -1;
   links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
@@ -164,6 +171,13 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(op_name(rec) + " is not where the traced iterations had it", index);
   const trace::NodeId node = m.node;
+  if (!emitted_.unsupported.empty()) {
+    const auto refused = emitted_.unsupported.find(node);
+    if (refused != emitted_.unsupported.end()) {
+      at_unsupported_ = true;  // the graph stops here on every path through this node
+      return diverge("the graph cannot run " + op_name(rec) + " (" + refused->second + ")", index);
+    }
+  }
   path_ = trace::hash_combine(path_, node);
   const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
 
@@ -180,6 +194,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       if (in.value.is_external()) {
         if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
         const at::Tensor& t = region.external_tensors().at(in.value.external);
+        path_ = hash_sizes(path_, t);  // sizes are not part of a node's key (see outputs())
         if (fslot < 0)
           return diverge(op_name(rec) + " reads a tensor from outside the iteration where the graph reads a value it computes",
                          index);
@@ -234,21 +249,24 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     }
   }
 
-  // Python floats: fed where they varied in the traces; elsewhere they must equal the constant
-  // the graph has baked in (a float that changes for the first time is a divergence).
+  // Python scalars (floats, ints, bools, int lists): fed where they varied in the traces;
+  // elsewhere they must equal the constant the graph has baked in (one that changes for the
+  // first time is a divergence, and its trace makes the next graph feed it).
   if (emitted) {
     auto scalars = emitted_.node_scalars.find(node);
     if (scalars != emitted_.node_scalars.end()) {
       for (const auto& use : scalars->second) {
-        if (use.attribute >= rec.attributes.size() || !rec.attributes[use.attribute].isDouble())
+        if (use.attribute >= rec.attributes.size())
           return diverge(op_name(rec) + " received another kind of argument than in the traced iterations", index);
-        const double v = rec.attributes[use.attribute].toDouble();
+        const c10::IValue& v = rec.attributes[use.attribute];
         if (use.slot >= 0) {
-          plan_.push_back(scalar(use.slot, v));
-        } else if (!(v == use.constant)) {
-          return diverge(op_name(rec) + " received the Python number " + std::to_string(v) + " where the traced iterations passed " +
-                             std::to_string(use.constant),
-                         index);
+          if (!emit::scalar_bits(v, use.kind, bits_))
+            return diverge(op_name(rec) + " received another kind of argument than in the traced iterations", index);
+          if (use.kind == emit::EmittedGraph::ScalarKind::kIntList)
+            plan_.push_back(scalar_bits(use.slot, static_cast<int64_t>(bits_.size())));
+          for (const int64_t b : bits_) plan_.push_back(scalar_bits(use.slot, b));
+        } else if (!emit::scalar_equals(v, use.kind, use.constant)) {
+          return diverge(describe_scalar_change(rec, use, v), index);
         }
       }
     }
@@ -329,6 +347,10 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
               " values, the op returned ", outputs.size());
   for (uint32_t k = 0; k < count; ++k) {
     const at::Tensor& t = outputs[k];
+    // A backward is replayed for the same path (backward_replay.h); nodes merge across sizes
+    // and fed scalars, so the sizes the forward produced join the path: a batch of another
+    // size records its own memo instead of replaying one made for other shapes.
+    path_ = hash_sizes(path_, t);
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
     if (t.defined() && t.has_storage()) {
       Latest& latest = *latest_.try_emplace(tag).first;
@@ -388,10 +410,32 @@ void PythonRunner::surface_failure() {
   }
 }
 
-PythonRunner::Post PythonRunner::scalar(int64_t slot, double value) {
-  int64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return {Post::Kind::kDecision, kScalarKeyBase + slot, bits, {}};
+// "aten::select.int received the Python value 7 as index where the traced iterations passed 3".
+std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, const emit::EmittedGraph::ScalarUse& use,
+                                                 const c10::IValue& now) {
+  std::ostringstream msg;
+  msg << op_name(rec) << " received the Python value " << now;
+  const auto& params = rec.op.schema().arguments();
+  if (use.attribute < rec.attribute_arguments.size()) {
+    const size_t arg = static_cast<size_t>(rec.attribute_arguments[use.attribute]);
+    if (arg < params.size()) msg << " as " << params[arg].name();
+  }
+  msg << " where the traced iterations passed ";
+  using K = emit::EmittedGraph::ScalarKind;
+  if (use.kind == K::kFloat && use.constant.size() == 1) {
+    double d;
+    std::memcpy(&d, &use.constant[0], sizeof d);
+    msg << d;
+  } else if (use.kind == K::kBool && use.constant.size() == 1) {
+    msg << (use.constant[0] != 0 ? "True" : "False");
+  } else if (use.kind == K::kIntList) {
+    msg << "[";
+    for (size_t i = 0; i < use.constant.size(); ++i) msg << (i ? ", " : "") << use.constant[i];
+    msg << "]";
+  } else if (!use.constant.empty()) {
+    msg << use.constant[0];
+  }
+  return msg.str();
 }
 
 // ---- waiting and values ------------------------------------------------------------------------

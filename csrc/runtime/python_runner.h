@@ -73,6 +73,9 @@ class PythonRunner final : public capture::CoExecHook {
   const std::string& divergence_reason() const { return reason_; }
   // The record index at which the iteration diverged (-1: at its end, or not at all).
   int32_t divergence_record() const { return divergence_record_; }
+  // The iteration diverged at a node the graph could not express (EmittedGraph::unsupported):
+  // generating the graph again would not change that, so the program need not trace again.
+  bool diverged_at_unsupported() const { return diverged_ && at_unsupported_; }
 
   // Waits until the graph has computed everything Python validated, then gives every live
   // placeholder its value (they stay linked: a later read refreshes them). With `finish`, also
@@ -128,7 +131,10 @@ class PythonRunner final : public capture::CoExecHook {
   using Post = ConcurrentChannel::Post;
   static Post decision(int64_t site, int64_t value) { return {Post::Kind::kDecision, site, value, {}}; }
   static Post gate(int64_t node) { return {Post::Kind::kDecision, kGateKeyBase + node, 1, {}}; }
-  static Post scalar(int64_t slot, double value);
+  // A scalar slot's value in the channel's encoding (emitted_graph.h, ScalarUse).
+  static Post scalar_bits(int64_t slot, int64_t bits) { return {Post::Kind::kDecision, kScalarKeyBase + slot, bits, {}}; }
+  static std::string describe_scalar_change(const capture::OpRecord& rec, const emit::EmittedGraph::ScalarUse& use,
+                                            const c10::IValue& now);
   static Post feed(int64_t slot, at::Tensor t) { return {Post::Kind::kFeed, slot, -1, std::move(t)}; }
   static Post deferred_feed(int64_t slot, int64_t index, at::Tensor t) {
     return {Post::Kind::kDeferredFeed, slot, index, std::move(t)};
@@ -185,6 +191,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<uint32_t> copy_;           // scratch: the cursor's copy index
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
+  std::vector<int64_t> bits_;            // scratch: one scalar's encoding
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
   // Open addressing: nearly every output of an iteration inserts a link, and the next iteration
   // drops the dead ones; a node-based map paid a malloc and a free for each.
@@ -203,6 +210,7 @@ class PythonRunner final : public capture::CoExecHook {
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;
   bool diverged_ = false;
+  bool at_unsupported_ = false;
   bool stopped_ = false;
   std::string reason_;
   int32_t divergence_record_ = -1;

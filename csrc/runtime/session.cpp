@@ -27,13 +27,20 @@ bool Session::add(const capture::Region& region) {
     const trace::Program current = trace::assign_cases(program_.graph());
     trace::Cursor cursor(current);
     covered = true;
-    for (const trace::OpRecord& op : t.ops) {
-      if (!cursor.step(op).matched) {
+    last_uncovered_ = -1;
+    for (size_t i = 0; i < t.ops.size(); ++i) {
+      if (!cursor.step(t.ops[i]).matched) {
         covered = false;
+        last_uncovered_ = static_cast<int64_t>(i);
         break;
       }
     }
-    covered = covered && cursor.finish().matched;
+    if (covered && !cursor.finish().matched) {
+      covered = false;
+      last_uncovered_ = static_cast<int64_t>(t.ops.size());
+    }
+  } else {
+    last_uncovered_ = 0;
   }
   const uint32_t index = program_.add(region.trace());
   for (const uint64_t key : region.raised()) program_.add_check(key);  // checked first from now on

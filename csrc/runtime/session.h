@@ -34,6 +34,9 @@ class Session {
   // accepted the trace (the iteration was covered: nothing new was learned).
   bool add(const capture::Region& region);
   size_t num_traces() const { return program_.num_traces(); }
+  // The record at which the trace add() last merged left the program (its size: at its end),
+  // -1 when it was covered: where a program that does not converge keeps differing.
+  int64_t last_uncovered() const { return last_uncovered_; }
 
   // Generates the graph of everything merged so far and starts a runner for it. A previous
   // runner is synchronized (its live placeholders get their values) and shut down first.
@@ -63,6 +66,7 @@ class Session {
   std::optional<emit::EmittedGraph> emitted_;
   std::unique_ptr<PythonRunner> runner_;  // points into structured_ and emitted_
   int64_t builds_ = 0;
+  int64_t last_uncovered_ = -1;
   std::vector<std::vector<std::string>> node_frames_;
 };
 

@@ -85,10 +85,13 @@ def test_phase_changes_are_logged(caplog):
 
 
 def test_warns_once_for_a_program_that_keeps_diverging():
-    # Odd iterations slice with a width no iteration used before: each time the graph has just
-    # been generated from an even iteration, the next odd one leaves it.
+    # Odd iterations call an op no iteration called there before (a slice width would not do:
+    # ints are fed, issue 16): each time the graph has just been generated from an even
+    # iteration, the next odd one leaves it.
+    ops = [torch.sin, torch.cos, torch.tanh, torch.exp, torch.sigmoid, torch.relu, torch.abs]
+
     def extra(i, x):
-        return 0.0 * x[:, : 1 + (i // 2) % 7].sum() if i % 2 else 0.0 * x.sum()
+        return 0.0 * ops[(i // 2) % 7](x).sum() if i % 2 else 0.0 * x.sum()
 
     m = terra_torch.wrap(mlp())
     with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,95 @@
+"""Never trace forever (issue 16, item 2): a program whose iterations keep differing in a way no
+graph generalizes stops tracing after runtime.MAX_UNCONVERGED_ITERATIONS, says once (a warning
+of the "terra_torch" logger, explain(), stats) which op at which line keeps differing and how,
+runs eagerly without capture cost, and traces again after a back-off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+from terra_torch import runtime
+
+STEPS = 96
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    yield
+    runtime.close_all()
+
+
+class Growing(nn.Module):
+    """An RNN run over one more step each iteration (a curriculum that never repeats a length):
+    backward reads every step's activations, so the loop is flattened and every new trip count is
+    a new path, never covered by the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, steps):
+        h = x
+        for _ in range(steps):
+            h = torch.tanh(self.cell(h))  # LINE_CELL
+        return self.head(h)
+
+
+def _train(terra: bool):
+    torch.manual_seed(0)
+    model = Growing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if terra:
+        model = terra_torch.wrap(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    losses = []
+    for i in range(STEPS):
+        loss = F.mse_loss(model(x, 1 + i), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    info = None
+    if terra:
+        terra_torch.synchronize()
+        info = (terra_torch.stats(model), terra_torch.explain(model))
+        terra_torch.unwrap(model)
+    return [float(v) for v in losses], [p.detach().clone() for p in model.parameters()], info
+
+
+def test_a_program_that_never_converges_runs_eagerly_and_says_why(caplog):
+    with caplog.at_level(logging.WARNING, logger="terra_torch"):
+        la, pa, _ = _train(False)
+        lb, pb, (st, ex) = _train(True)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+    bound = runtime.MAX_UNCONVERGED_ITERATIONS
+    lines = [r.getMessage() for r in caplog.records if "did not converge" in r.getMessage()]
+    # Given up once after the bound, traced again after the back-off, given up again.
+    assert len(lines) == 2, lines
+    assert "test_convergence.py" in lines[0] and "keeps differing" in lines[0], lines[0]
+    assert f"running eagerly for {runtime.EAGER_BACKOFF} iterations" in lines[0]
+    assert f"running eagerly for {2 * runtime.EAGER_BACKOFF} iterations" in lines[1]
+
+    nc = ex.not_converged
+    assert nc is not None and nc["iterations"] == bound
+    assert "test_convergence.py" in nc["line"] and nc["op"].startswith("aten::"), nc
+    assert nc["how"], nc
+    assert "not converged" in str(ex)
+    # Eager iterations cost no capture: every iteration is accounted for, at most 2 * bound
+    # of them traced or co-executed, the rest eager.
+    it = st.iterations
+    assert sum(it.values()) == STEPS, it
+    assert it["eager"] >= STEPS - 2 * bound - 1, it
+    assert it["eager"] <= STEPS - bound, it
+    assert st.not_converged == nc and "did not converge" in st.eager_reason
+    phases = [(a, b) for _i, a, b in st.transitions]
+    assert ("eager", "tracing") in phases  # the retry after the back-off
