@@ -48,6 +48,9 @@ class CoExecHook {
   // stopped and the rest of the region records real ops).
   virtual Verdict check_raised(const Region& region, const OpRecord& rec, int32_t index) = 0;
 
+  // The op at record `index` cannot be co-executed (`why`): a divergence there.
+  virtual void refuse(int32_t index, std::string why) = 0;
+
   // Values Python knows itself (runtime/known_values.h). `out`: `args` with every tensor replaced
   // by its known value; false if some tensor has none. A read (`read`: the op needs data) whose
   // arguments are all known runs on them instead of waiting for the graph.
@@ -56,6 +59,10 @@ class CoExecHook {
   // values follow from them.
   virtual void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
                             c10::ArrayRef<at::Tensor> outputs) = 0;
+  // An op answered with placeholders that Python could not follow: the known values of the
+  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
+  // its tensors' versions from inside, where co-execution never runs it).
+  virtual void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) = 0;
 };
 
 }  // namespace terra::capture

@@ -50,6 +50,15 @@ std::atomic<size_t> g_expected_externals{64};  // and its external inputs
 // factors) stay part of the identity, and so do all of a terra:: op's (`generalize` false).
 // Opaque objects (the profiler's record handle, a ScriptObject new every iteration) are hashed
 // by type: their identity is not the program's.
+// float[] or a Scalar[] of floats (foreach optimizers' per-parameter step sizes): a value, like
+// a float (emit::is_float_list decides the same for the graph).
+bool floats_only(const c10::IValue& v) {
+  if (v.isDoubleList()) return true;
+  if (!v.isList()) return false;
+  const auto& list = v.toListRef();
+  return !list.empty() && std::all_of(list.begin(), list.end(), [](const c10::IValue& e) { return e.isDouble(); });
+}
+
 uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true, bool generalize = true) {
   h = trace::hash_combine(h, static_cast<uint64_t>(v.tag));
   const bool value = top_level && generalize;
@@ -64,7 +73,7 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true,
   }
   if (v.isString()) return trace::hash_combine(h, std::hash<std::string>()(v.toStringRef()));
   if (v.isDevice()) return trace::hash_combine(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
-  if (v.isIntList() && value) return trace::hash_combine(h, v.toListRef().size());
+  if ((v.isIntList() || floats_only(v)) && value) return trace::hash_combine(h, v.toListRef().size());
   if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e, false);
     return h;
@@ -97,6 +106,12 @@ at::Tensor copy_wrapped_number(const at::Tensor& t) {
 
 bool is_tensor_like(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
+}
+
+bool writes_an_argument(const c10::OperatorHandle& op) {
+  for (const c10::Argument& a : op.schema().arguments())
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
+  return false;
 }
 
 // Neither takes nor gives tensors. Almost every op has a tensor argument, so the arguments at
@@ -435,6 +450,14 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     }
     return flat;
   };
+  if (needs_data && writes_an_argument(op)) {
+    // Run for real here, it would run again in the graph (which holds the node) and its write
+    // would happen twice: the rest of the iteration runs eagerly instead.
+    hook_->refuse(index, c10::toString(op.operator_name()) + " writes its arguments and has no shape without its data (" +
+                             inferred->reason + ")");
+    mode_ = Mode::Record;
+    return false;
+  }
   if (host || needs_data) {
     // Runs first, validated after: an op that raises (a shape error the meta kernel reported
     // in its own words) raises eager's error and leaves no record and no step of the graph.
@@ -473,6 +496,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
   }
   torch::jit::Stack known;
   const bool follows = hook_->known_arguments(args, false, known);  // (before the arguments leave the stack)
+  if (!follows) hook_->forget_written(op, args);
   run_placeholder(op, *inferred, rec, index, args, stack);
   const c10::SmallVector<at::Tensor, 4> outputs = flatten();
   hook_->outputs(index, outputs);

@@ -147,6 +147,10 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
   SuspendGuard no_interception;  // the meta tensors and the meta call are ours, not the user's
   const auto& schema = op.schema();
   InferredOutputs result;
+  // An op that returns nothing (_fused_sgd_, the _foreach_*_ ops) has no output to describe; its
+  // effect is on its arguments, whose metadata it keeps. (Several have no meta kernel, and "run
+  // it for real" would apply the update twice: once here and once in the graph.)
+  if (schema.returns().empty()) return result;
   for (const auto& ret : schema.returns()) {
     auto kind = ret.type()->kind();
     bool tensor = kind == c10::TypeKind::TensorType;

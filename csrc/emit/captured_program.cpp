@@ -40,6 +40,13 @@ uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec, 
 
 }  // namespace
 
+bool is_float_list(const c10::IValue& v) {
+  if (v.isDoubleList()) return true;
+  if (!v.isList()) return false;  // a Scalar[] argument arrives as a generic list of numbers
+  const auto& list = v.toListRef();
+  return !list.empty() && std::all_of(list.begin(), list.end(), [](const c10::IValue& e) { return e.isDouble(); });
+}
+
 bool generalizes(const c10::OperatorHandle& op) { return op.operator_name().getNamespace() != "terra"; }
 
 std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v) {
@@ -48,6 +55,7 @@ std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v) {
   if (v.isInt()) return K::kInt;
   if (v.isBool()) return K::kBool;
   if (v.isIntList()) return K::kIntList;
+  if (is_float_list(v)) return K::kFloatList;  // foreach optimizers' per-parameter step sizes
   return std::nullopt;
 }
 
@@ -75,6 +83,15 @@ bool scalar_bits(const c10::IValue& v, EmittedGraph::ScalarKind kind, std::vecto
       if (!v.isIntList()) return false;
       for (const c10::IValue& e : v.toListRef()) out.push_back(e.toInt());
       return true;
+    case K::kFloatList:
+      if (!is_float_list(v)) return false;
+      for (const c10::IValue& e : v.toListRef()) {
+        const double d = e.toDouble();
+        int64_t bits;
+        std::memcpy(&bits, &d, sizeof bits);
+        out.push_back(bits);
+      }
+      return true;
   }
   return false;
 }
@@ -99,6 +116,18 @@ bool scalar_equals(const c10::IValue& v, EmittedGraph::ScalarKind kind, const st
       if (list.size() != bits.size()) return false;
       for (size_t i = 0; i < bits.size(); ++i)
         if (list[i].toInt() != bits[i]) return false;
+      return true;
+    }
+    case K::kFloatList: {
+      if (!is_float_list(v)) return false;
+      const auto& list = v.toListRef();
+      if (list.size() != bits.size()) return false;
+      for (size_t i = 0; i < bits.size(); ++i) {
+        const double d = list[i].toDouble();
+        int64_t b;
+        std::memcpy(&b, &d, sizeof b);
+        if (b != bits[i]) return false;
+      }
       return true;
     }
   }

@@ -64,6 +64,8 @@ inline constexpr const char* kFeedScalarOp = "terra::feed_scalar";
 inline constexpr const char* kFeedIntOp = "terra::feed_int";
 inline constexpr const char* kFeedBoolOp = "terra::feed_bool";
 inline constexpr const char* kFeedIntListOp = "terra::feed_int_list";
+inline constexpr const char* kFeedFloatListOp = "terra::feed_float_list";
+inline constexpr const char* kFeedNumberListOp = "terra::feed_number_list";  // the same as Scalar[]
 // Not a dispatcher op: a JIT operator that calls the operator it names boxed (channel_ops.cpp).
 inline constexpr const char* kBoxedCallOp = "terra::boxed_call";
 

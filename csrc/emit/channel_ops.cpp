@@ -58,6 +58,29 @@ std::vector<int64_t> feed_int_list(int64_t slot) {
   return out;
 }
 
+// A float list: its length (feed_int), then each element's bits (feed_scalar).
+std::vector<double> feed_float_list(int64_t slot) {
+  ChannelSource& source = require(kFeedFloatListOp);
+  const int64_t n = source.feed_int(slot);
+  TORCH_CHECK(n >= 0, "terra_torch: float list slot ", slot, " received the length ", n);
+  std::vector<double> out(static_cast<size_t>(n));
+  for (double& v : out) v = source.feed_scalar(slot);
+  return out;
+}
+
+// The same for a Scalar[] parameter. Boxed: an unboxed kernel cannot return a list of Scalars.
+void feed_number_list(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const int64_t slot = stack->back().toInt();
+  stack->pop_back();
+  ChannelSource& source = require(kFeedNumberListOp);
+  const int64_t n = source.feed_int(slot);
+  TORCH_CHECK(n >= 0, "terra_torch: number list slot ", slot, " received the length ", n);
+  c10::impl::GenericList out(c10::NumberType::get());
+  out.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out.push_back(c10::IValue(source.feed_scalar(slot)));
+  stack->emplace_back(std::move(out));
+}
+
 void publish(int64_t tag, const std::optional<at::Tensor>& value) {
   require(kPublishOp).publish(tag, value.has_value() ? *value : at::Tensor());
 }
@@ -157,6 +180,10 @@ TORCH_LIBRARY(terra, m) {
   m.def(torch::schema("feed_bool(int slot) -> bool", AliasAnalysisKind::CONSERVATIVE), &terra::emit::feed_bool);
   m.def(torch::schema("feed_int_list(int slot) -> int[]", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::feed_int_list);
+  m.def(torch::schema("feed_float_list(int slot) -> float[]", AliasAnalysisKind::CONSERVATIVE),
+        &terra::emit::feed_float_list);
+  m.def(torch::schema("feed_number_list(int slot) -> Scalar[]", AliasAnalysisKind::CONSERVATIVE),
+        torch::CppFunction::makeFromBoxedFunction<&terra::emit::feed_number_list>());
   // A catch-all kernel: publish only ever runs inside generated graphs, never in a capture region.
   m.def(torch::schema("publish(int tag, Tensor? value) -> ()", AliasAnalysisKind::CONSERVATIVE),
         &terra::emit::publish);

@@ -67,7 +67,9 @@ struct EmittedGraph {
   // varied between the traces, or baked in as `constant` (slot -1), which Python must then
   // still pass. Both in the encoding of scalar_bits (captured_program.h): a float as its bits,
   // an int or bool as itself, an int list as its elements.
-  enum class ScalarKind : uint8_t { kFloat, kInt, kBool, kIntList };
+  enum class ScalarKind : uint8_t { kFloat, kInt, kBool, kIntList, kFloatList };
+  // Lists travel as their length followed by their elements, on the slot's one queue.
+  static bool is_list(ScalarKind k) { return k == ScalarKind::kIntList || k == ScalarKind::kFloatList; }
   struct ScalarUse {
     uint32_t attribute;
     int64_t slot;

@@ -72,6 +72,8 @@ class Emitter {
     feed_int_ = c10::Symbol::fromQualString(kFeedIntOp);
     feed_bool_ = c10::Symbol::fromQualString(kFeedBoolOp);
     feed_int_list_ = c10::Symbol::fromQualString(kFeedIntListOp);
+    feed_float_list_ = c10::Symbol::fromQualString(kFeedFloatListOp);
+    feed_number_list_ = c10::Symbol::fromQualString(kFeedNumberListOp);
   }
 
   const std::vector<uint64_t>& stale_loops() const { return flow_.stale_loops(); }
@@ -378,7 +380,7 @@ class Emitter {
           if (attrs.at(next).isGenerator())  // the object itself: Python checks it passes the same one
             out_.node_generators[n].emplace_back(static_cast<uint32_t>(next),
                                                  attrs.at(next).toGenerator().unsafeGetGeneratorImpl());
-          out.push_back(generalizes(info.op) && scalar_kind(attrs.at(next)) ? scalar(n, info, next)
+          out.push_back(generalizes(info.op) && scalar_kind(attrs.at(next)) ? scalar(n, info, next, params[i].type())
                                                                            : constant(attrs.at(next)));
           ++next;
           break;
@@ -421,7 +423,7 @@ class Emitter {
 
   // A Python scalar attribute (float, int, bool, int list): fed when it varied between the
   // traces, else a constant (which the PythonRunner checks Python passes again).
-  Value* scalar(NodeId n, const OpInfo& info, size_t attribute) {
+  Value* scalar(NodeId n, const OpInfo& info, size_t attribute, const c10::TypePtr& param) {
     using K = EmittedGraph::ScalarKind;
     auto& uses = out_.node_scalars[n];
     const bool varying = attribute < info.varying.size() && info.varying[attribute];
@@ -441,6 +443,14 @@ class Emitter {
       case K::kInt: return channel_op(feed_int_, {slot}, c10::IntType::get());
       case K::kBool: return channel_op(feed_bool_, {slot}, c10::BoolType::get());
       case K::kIntList: return channel_op(feed_int_list_, {slot}, c10::ListType::ofInts());
+      case K::kFloatList: {
+        // A Scalar[] parameter (_foreach_div_.ScalarList) takes no float[]: the interpreter
+        // refuses to cast the list at run time, so it gets a list of numbers.
+        auto list = param->cast<c10::ListType>();
+        if (list && list->getElementType()->kind() == c10::TypeKind::NumberType)
+          return channel_op(feed_number_list_, {slot}, c10::ListType::create(c10::NumberType::get()));
+        return channel_op(feed_float_list_, {slot}, c10::ListType::ofFloats());
+      }
     }
     throw std::logic_error("terra_torch: unknown scalar kind");
   }
@@ -644,7 +654,7 @@ class Emitter {
   bool coexec_;
   int loop_depth_ = 0;  // prim::Loop bodies being emitted
   c10::Symbol case_select_, loop_cond_, feed_, feed_or_none_, fetch_, gate_, publish_, feed_scalar_, feed_int_,
-      feed_bool_, feed_int_list_;
+      feed_bool_, feed_int_list_, feed_float_list_, feed_number_list_;
 };
 
 size_t count_nodes(const Block* b) {

@@ -118,7 +118,7 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
           std::vector<int64_t> bits;
           if (!scalar_bits(captured.ops[i].attributes.at(use.attribute), use.kind, bits))
             throw std::runtime_error("terra_torch: record " + std::to_string(i) + " passes another kind of scalar than the graph feeds");
-          if (use.kind == EmittedGraph::ScalarKind::kIntList) script.push_scalar_bits(use.slot, static_cast<int64_t>(bits.size()));
+          if (EmittedGraph::is_list(use.kind)) script.push_scalar_bits(use.slot, static_cast<int64_t>(bits.size()));
           for (const int64_t b : bits) script.push_scalar_bits(use.slot, b);
         }
     uint32_t s = 0;  // slot numbering skips inputs that stand for None, as the translation does

@@ -50,6 +50,10 @@ class KnownValues {
   // `known`: runs it on them (below autograd, without interception) and keeps the results as
   // the values of `outputs` (the op's outputs, flattened), if they are all small CPU tensors.
   void follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs);
+  // `t` is written by an op Python does not follow.
+  void forget(const at::Tensor& t) {
+    if (t.defined()) known_.erase(t.unsafeGetTensorImpl());
+  }
   // Forgets everything (the graph failed: what it had not computed never happened).
   void clear() { known_.clear(); }
   // Drops the entries of tensors that died.

@@ -262,7 +262,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
         if (use.slot >= 0) {
           if (!emit::scalar_bits(v, use.kind, bits_))
             return diverge(op_name(rec) + " received another kind of argument than in the traced iterations", index);
-          if (use.kind == emit::EmittedGraph::ScalarKind::kIntList)
+          if (emit::EmittedGraph::is_list(use.kind))
             plan_.push_back(scalar_bits(use.slot, static_cast<int64_t>(bits_.size())));
           for (const int64_t b : bits_) plan_.push_back(scalar_bits(use.slot, b));
         } else if (!emit::scalar_equals(v, use.kind, use.constant)) {
@@ -313,7 +313,7 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   for (const c10::IValue& a : args) {
     if (a.isTensor()) {
       give_value(a.toTensor());
-      known_.learn(a.toTensor());  // small CPU tensors: later reads can be answered here
+      if (known_values_enabled_) known_.learn(a.toTensor());  // small CPU tensors: later reads are answered here
     } else if (a.isTensorList()) {
       for (const at::Tensor& t : a.toTensorList().vec()) give_value(t);
     } else if (a.isOptionalTensorList()) {
@@ -324,7 +324,7 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
 }
 
 bool PythonRunner::known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) {
-  if (diverged_ || known_.empty() || !known_.substitute(args, out)) return false;
+  if (!known_values_enabled_ || diverged_ || known_.empty() || !known_.substitute(args, out)) return false;
   if (read) ++stats_.known_reads;
   return true;
 }
@@ -332,6 +332,20 @@ bool PythonRunner::known_arguments(c10::ArrayRef<c10::IValue> args, bool read, t
 void PythonRunner::follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
                                 c10::ArrayRef<at::Tensor> outputs) {
   known_.follow(op, known, outputs);
+}
+
+void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  if (known_.empty()) return;
+  const auto& params = op.schema().arguments();
+  for (size_t i = 0; i < params.size() && i < args.size(); ++i) {
+    const c10::AliasInfo* alias = params[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (args[i].isTensor()) {
+      known_.forget(args[i].toTensor());
+    } else if (args[i].isTensorList()) {
+      for (const at::Tensor& t : args[i].toTensorList().vec()) known_.forget(t);
+    }
+  }
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
@@ -428,6 +442,14 @@ std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, c
     msg << d;
   } else if (use.kind == K::kBool && use.constant.size() == 1) {
     msg << (use.constant[0] != 0 ? "True" : "False");
+  } else if (use.kind == K::kFloatList) {
+    msg << "[";
+    for (size_t i = 0; i < use.constant.size(); ++i) {
+      double d;
+      std::memcpy(&d, &use.constant[i], sizeof d);
+      msg << (i ? ", " : "") << d;
+    }
+    msg << "]";
   } else if (use.kind == K::kIntList) {
     msg << "[";
     for (size_t i = 0; i < use.constant.size(); ++i) msg << (i ? ", " : "") << use.constant[i];

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <cstdint>
 #include <memory>
@@ -119,6 +120,10 @@ class PythonRunner final : public capture::CoExecHook {
   Verdict check_raised(const capture::Region& region, const capture::OpRecord& rec, int32_t index) override;
   bool known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) override;
   void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs) override;
+  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) override;
+  void refuse(int32_t index, std::string why) override {
+    if (!diverged_) diverge(std::move(why), index);
+  }
 
  private:
   struct Link {  // a tensor whose current value lives in the value table
@@ -222,6 +227,11 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
   KnownValues known_;
+  // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
+  const bool known_values_enabled_ = [] {
+    const char* v = std::getenv("TERRA_KNOWN_VALUES");
+    return v == nullptr || std::string(v) != "0";
+  }();
 };
 
 }  // namespace terra::runtime

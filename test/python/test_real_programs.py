@@ -218,3 +218,31 @@ def test_tiny_gpt2_trains_bitwise_in_coexecution():
 
     r = check(make, step)
     assert r.stats.runner["backward_replayed"] >= STEPS - 2 * WARMUP, r.stats.runner
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_optimizer_implementations_co_execute_bitwise(kind: str, impl: str):
+    """Single-tensor, foreach and fused Adam, AdamW and SGD (issue 16, item 6). Foreach optimizers
+    pass per-parameter step sizes as float lists, which vary every step and are fed."""
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        flags = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+        if kind == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2, **flags)
+        elif kind == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, **flags)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, **flags)
+        return model, opt
+
+    def step(model, opt, i, log):
+        x = TOKENS[i % 4, :, 0, :8]
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.detach())
+
+    check(make, step)
