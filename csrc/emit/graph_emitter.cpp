@@ -238,17 +238,7 @@ class Emitter {
     // program paths that are not TraceGraph paths (e.g. an unrolled first iteration taking a
     // case that the recorded traces only took in later iterations), which the Cursor rejects.
     if (choices != nullptr) return select(n, slot, *choices);
-    if (env_[var] == nullptr) {
-      // That holds for most such reads, but not for all: a loop whose iterations take either
-      // case of a switch (LayerDrop) can merge one op of two cases, so that the graph reads a
-      // value this block never computed while the Cursor accepts the path. In co-execution the
-      // node becomes one the graph cannot express (the PythonRunner diverges there, with this
-      // reason) rather than a graph that fails on an uninitialized value.
-      if (coexec_)
-        throw std::runtime_error("terra_torch: input " + std::to_string(slot) + " of " + op_name(cp_.info(n)->op) +
-                                 " is a value no op before it on this path computes (the graph cannot pick it)");
-      return uninitialized();
-    }
+    if (env_[var] == nullptr) return uninitialized();
     return env_[var];
   }
 

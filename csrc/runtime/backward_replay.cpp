@@ -55,6 +55,28 @@ bool same_number(const at::Tensor& a, const at::Tensor& b) {
   return std::memcmp(a.data_ptr(), b.data_ptr(), a.element_size()) == 0;
 }
 
+// Non-tensor arguments equal as the graph would see them (numbers by value and kind, lists
+// elementwise; other kinds, say a generator, by identity).
+bool same_attribute(const c10::IValue& a, const c10::IValue& b) {
+  if (a.tagKind() != b.tagKind()) return false;
+  if (a.isDouble()) {
+    const double x = a.toDouble(), y = b.toDouble();
+    return std::memcmp(&x, &y, sizeof x) == 0;  // bits: -0.0 and 0.0 give different results
+  }
+  if (a.isInt() || a.isBool() || a.isString() || a.isNone() || a.isDevice() || a.isIntList() || a.isDoubleList() ||
+      a.isBoolList())
+    return a == b;
+  if (a.isList()) {
+    const auto& x = a.toListRef();
+    const auto& y = b.toListRef();
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (!same_attribute(x[i], y[i])) return false;
+    return true;
+  }
+  return a.isSameIdentity(b);
+}
+
 }  // namespace
 
 AutogradReach reach(const BackwardCall& call) {
@@ -153,6 +175,12 @@ PythonRunner::BackwardPath PythonRunner::begin_backward(capture::Region& region,
       if (!same_ref(m.grads[i], key.grads[i])) return false;
     for (size_t i = 0; i < m.leaves.size(); ++i)
       if (m.leaves[i].expired() || m.leaves[i]._unsafe_get_target() != r.leaves[i].unsafeGetTensorImpl()) return false;
+    for (const auto& [origin, attributes] : m.origin_attributes) {
+      const auto& now = region.trace().ops.at(origin).attributes;
+      if (now.size() != attributes.size()) return false;
+      for (size_t a = 0; a < now.size(); ++a)
+        if (!same_attribute(now[a], attributes[a])) return false;
+    }
     return true;
   };
   for (const BackwardMemo& m : memos_) {
@@ -198,7 +226,16 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
     out.value = p.value;
     switch (p.kind) {
       case Post::Kind::kDecision:
-        if (in_range(p.key, kScalarKeyBase)) return not_replayable("the backward reads a Python number the graph is fed");
+        if (in_range(p.key, kScalarKeyBase)) {
+          // A fed number of a backward op (a view's sizes, a select's index) follows from its
+          // forward op's arguments and the sizes in the key: replayed as recorded while the
+          // forward op's arguments are the same (BackwardMemo::origin_attributes).
+          const int32_t origin = region.trace().ops.back().origin;
+          if (origin < 0 || static_cast<size_t>(origin) >= r.memo.records_before)
+            return not_replayable("the backward reads a Python number the graph is fed, not from a forward op");
+          if (std::find(r.scalar_origins.begin(), r.scalar_origins.end(), origin) == r.scalar_origins.end())
+            r.scalar_origins.push_back(origin);
+        }
         if (p.key >= emit::kSelectSiteBase && p.key < kGateKeyBase)
           return not_replayable("the backward reads where the graph picks the producer Python read");
         out.kind = ReplayPost::Kind::kDecision;
@@ -236,6 +273,9 @@ void PythonRunner::end_backward(capture::Region& region, bool completed) {
   const size_t begin = memo.records_before;
   if (trace.ops.size() - begin != memo.steps.size()) return give_up("an op of the backward was not validated");
   memo.records.assign(trace.ops.begin() + static_cast<std::ptrdiff_t>(begin), trace.ops.end());
+  for (const int32_t origin : r.scalar_origins)
+    memo.origin_attributes.emplace_back(origin, std::vector<c10::IValue>(trace.ops[origin].attributes.begin(),
+                                                                          trace.ops[origin].attributes.end()));
 
   // Externals first read in the backward: a leaf, the gradient a leaf had, or a copy of a Python
   // number a forward op read (autograd saved it for the backward).

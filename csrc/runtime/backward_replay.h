@@ -24,6 +24,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -137,6 +138,9 @@ struct BackwardMemo {
     int32_t output;
   };
   std::vector<Alias> external_aliases;
+  // Forward records whose backward ops read fed numbers, with their arguments then: the memo
+  // replays those numbers only while the arguments are the same (part of the key).
+  std::vector<std::pair<int32_t, std::vector<c10::IValue>>> origin_attributes;
 };
 
 // A backward() the engine is running op by op, being recorded (PythonRunner::validate adds a step
@@ -147,6 +151,7 @@ struct BackwardRecording {
   std::vector<at::Tensor> grads_before;  // per leaf
   std::vector<int64_t> versions_before;
   uint64_t sequence_before = 0;  // autograd's sequence number: a recomputation would move it
+  std::vector<int32_t> scalar_origins;  // forward records of backward ops with fed numbers
   std::string ineligible;
 };
 

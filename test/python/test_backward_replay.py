@@ -307,3 +307,29 @@ def test_disabled_replay_is_the_per_op_path(monkeypatch):
     r = check(mlp_sgd, step)
     assert r.runner["backward_replayed"] == 0 and r.runner["backward_recorded"] == 0
 
+
+
+def test_backward_with_fed_numbers_replays_per_sequence_length():
+    """Three sequence lengths: the backward's view sizes are fed numbers. A memo per length (the
+    sizes are part of its key) replays them as recorded, while the forward ops they come from
+    received the same arguments."""
+    lengths = (4, 6, 8)
+    seqs = [torch.randn(3, L, 8, generator=torch.Generator().manual_seed(L)) for L in lengths]
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(model, opt, i, log):
+        x = seqs[i % 3]
+        B, T, D = x.shape
+        out = model(x.reshape(B * T, D)).view(B, T, 3).mean(1)
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.detach())
+
+    r = check(make, step, max_fallbacks=3)
+    replayed_most(r, untraced=12)
+    assert r.runner["backward_recorded"] >= 3, r.runner  # one memo per length

@@ -246,3 +246,29 @@ def test_optimizer_implementations_co_execute_bitwise(kind: str, impl: str):
         log.append(loss.detach())
 
     check(make, step)
+
+
+def test_tiny_bert_with_three_sequence_lengths():
+    """Sizes are not part of node identity: one graph covers every length, and the backward is
+    replayed per length."""
+
+    def make():
+        config = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                         intermediate_size=64, vocab_size=97, max_position_embeddings=32,
+                                         num_labels=3)
+        model = transformers.BertForSequenceClassification(config)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, 97, (2, L), generator=g), torch.randint(0, 3, (2,), generator=g)) for L in (8, 12, 16)]
+
+    def step(model, opt, i, log):
+        ids, labels = batches[i % 3]
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.detach())
+
+    r = check(make, step)
+    assert r.stats.runner["backward_replayed"] >= STEPS - 3 * WARMUP, r.stats.runner
