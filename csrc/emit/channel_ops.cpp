@@ -48,23 +48,28 @@ double feed_scalar(int64_t slot) { return require(kFeedScalarOp).feed_scalar(slo
 int64_t feed_int(int64_t slot) { return require(kFeedIntOp).feed_int(slot); }
 bool feed_bool(int64_t slot) { return require(kFeedBoolOp).feed_int(slot) != 0; }
 
-// An int list arrives as its length followed by its elements, all on the slot's one queue.
-std::vector<int64_t> feed_int_list(int64_t slot) {
-  ChannelSource& source = require(kFeedIntListOp);
+// A list arrives as its length followed by its elements, all on the slot's one queue; `element`
+// reads one (feed_int, or feed_scalar for a float's bits) and `add` keeps it.
+template <typename Add>
+void feed_list(const char* op, int64_t slot, bool floats, Add add) {
+  ChannelSource& source = require(op);
   const int64_t n = source.feed_int(slot);
-  TORCH_CHECK(n >= 0, "terra_torch: int list slot ", slot, " received the length ", n);
-  std::vector<int64_t> out(static_cast<size_t>(n));
-  for (int64_t& v : out) v = source.feed_int(slot);
+  TORCH_CHECK(n >= 0, "terra_torch: list slot ", slot, " of ", op, " received the length ", n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (floats) add(source.feed_scalar(slot));
+    else add(source.feed_int(slot));
+  }
+}
+
+std::vector<int64_t> feed_int_list(int64_t slot) {
+  std::vector<int64_t> out;
+  feed_list(kFeedIntListOp, slot, false, [&](auto v) { out.push_back(static_cast<int64_t>(v)); });
   return out;
 }
 
-// A float list: its length (feed_int), then each element's bits (feed_scalar).
 std::vector<double> feed_float_list(int64_t slot) {
-  ChannelSource& source = require(kFeedFloatListOp);
-  const int64_t n = source.feed_int(slot);
-  TORCH_CHECK(n >= 0, "terra_torch: float list slot ", slot, " received the length ", n);
-  std::vector<double> out(static_cast<size_t>(n));
-  for (double& v : out) v = source.feed_scalar(slot);
+  std::vector<double> out;
+  feed_list(kFeedFloatListOp, slot, true, [&](auto v) { out.push_back(static_cast<double>(v)); });
   return out;
 }
 
@@ -72,12 +77,8 @@ std::vector<double> feed_float_list(int64_t slot) {
 void feed_number_list(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const int64_t slot = stack->back().toInt();
   stack->pop_back();
-  ChannelSource& source = require(kFeedNumberListOp);
-  const int64_t n = source.feed_int(slot);
-  TORCH_CHECK(n >= 0, "terra_torch: number list slot ", slot, " received the length ", n);
   c10::impl::GenericList out(c10::NumberType::get());
-  out.reserve(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out.push_back(c10::IValue(source.feed_scalar(slot)));
+  feed_list(kFeedNumberListOp, slot, true, [&](auto v) { out.push_back(c10::IValue(static_cast<double>(v))); });
   stack->emplace_back(std::move(out));
 }
 

@@ -19,13 +19,6 @@ import terra_torch
 STEPS = 60
 
 
-@pytest.fixture(autouse=True)
-def _isolated():
-    yield
-    from terra_torch import runtime
-    runtime.close_all()
-
-
 @dataclass
 class Run:
     log: list[Any]

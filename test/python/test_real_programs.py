@@ -20,13 +20,6 @@ STEPS = 60
 WARMUP = 6  # iterations a program may trace before it co-executes
 
 
-@pytest.fixture(autouse=True)
-def _isolated():
-    yield
-    from terra_torch import runtime
-    runtime.close_all()
-
-
 @dataclass
 class Run:
     log: list[Any]

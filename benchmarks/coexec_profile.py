@@ -1,0 +1,66 @@
+"""A co-executed training loop to profile (docs/ARCHITECTURE.md, "Per-op cost"): the MLP of
+benchmarks.coexec_bench's size with a chosen optimizer, under terra_torch.wrap or eagerly, for a
+fixed number of steps and nothing else, so that a profiler's samples are the steady loop's.
+
+    perf record --call-graph dwarf,16384 -D 2500 -o perf.data \\
+        .venv/bin/python -m benchmarks.coexec_profile --optimizer adam --steps 5000
+    perf script -i perf.data --no-inline -F tid,ip,sym > perf.txt
+
+(-D skips the import; the Python thread is the process's lowest thread id.) It prints the loop's
+wall and Python-thread CPU time per step and, under terra, the runtime's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adam-fused", "adam-foreach"), default="adam")
+    p.add_argument("--eager", action="store_true", help="run eagerly (the same loop, for comparison)")
+    p.add_argument("--steps", type=int, default=5000)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    params = model.parameters()
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+           "adam-fused": lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
+           "adam-foreach": lambda: torch.optim.Adam(params, lr=1e-3, foreach=True)}[args.optimizer]()
+    if not args.eager:
+        import terra_torch
+
+        model = terra_torch.wrap(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 32, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(8)]
+    warm = min(50, args.steps // 2)
+    for i in range(args.steps):
+        if i == warm:
+            t0, c0 = time.perf_counter(), time.thread_time()
+        x, y = batches[i % len(batches)]
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if not args.eager:
+        terra_torch.synchronize()
+    n = args.steps - warm
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    print(f"{'eager' if args.eager else 'terra'} {args.optimizer}: {wall * 1e3 / n:.3f} ms/step wall, "
+          f"{cpu * 1e3 / n:.3f} ms/step Python-thread CPU")
+    if not args.eager:
+        s = terra_torch.stats(model)
+        print("  iterations", s.iterations, "fallbacks", s.fallbacks,
+              {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads")})
+
+
+if __name__ == "__main__":
+    main()
