@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -41,6 +42,14 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
     program = Program(type(model).__name__, mode, optimize)
+    distributed = _distributed_wrapper(model)
+    if distributed is not None:
+        # DDP's reducer runs in backward, reads gradients' memory directly and launches
+        # collectives the interceptor cannot follow yet (issue 19): correct results come first.
+        reason = (f"{distributed} is not supported by co-execution yet (its reducer reads gradients' memory and "
+                  "runs collectives inside backward); this model runs eagerly")
+        warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
+        program.run_eagerly(reason)
     # Calls in eval mode or under no_grad (a validation pass, a generate() loop) are a program of
     # their own: their ops would otherwise be merged into the training step's TraceGraph, and
     # every switch between the two would be a divergence of it.
@@ -70,6 +79,15 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
         model._register_load_state_dict_pre_hook(sync_all),
     ]
     return model
+
+
+def _distributed_wrapper(model: torch.nn.Module) -> str | None:
+    """The name of a data-parallel wrapper at or inside `model`, if any."""
+    names = {"DistributedDataParallel", "FullyShardedDataParallel"}
+    for m in model.modules():
+        if type(m).__name__ in names or type(m).__name__.startswith("FSDP"):
+            return type(m).__name__
+    return None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -297,6 +297,12 @@ class Program:
         self._differences.clear()
         self._move("eager", what)
 
+    def run_eagerly(self, reason: str) -> None:
+        """Run every iteration eagerly from now on, without capture, for `reason` (no retry)."""
+        self._stats.eager_reason = reason
+        self._eager_left = None
+        self._move("eager", reason)
+
     def synchronize(self) -> None:
         """End the open iteration, wait for the graph, give every live placeholder its value."""
         with _lock:
