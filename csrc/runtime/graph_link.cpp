@@ -1,0 +1,204 @@
+// The PythonRunner's link to the GraphRunner: posts (batched), waits for published values,
+// stopping the graph (divergence, failure), draining finished iterations and recovering from a
+// graph that failed.
+#include "runtime/python_runner.h"
+
+#include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Exceptions.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/terra_key.h"
+#include "capture/value_checks.h"
+#include "runtime/executor.h"
+#include "runtime/gil_release.h"
+#include "runtime/runner_helpers.h"
+#include "trace/hash.h"
+
+namespace terra::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+// Ctrl-C while Python waits for the graph: raise KeyboardInterrupt in the user's program.
+void check_signals() {
+  if (!Py_IsInitialized()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_CheckSignals() != 0) {
+    python_error e;  // takes the pending KeyboardInterrupt, restored when it reaches Python
+    e.persist();
+    PyGILState_Release(gil);
+    throw e;
+  }
+  PyGILState_Release(gil);
+}
+
+}  // namespace
+
+// ---- posting -----------------------------------------------------------------------------------
+
+void PythonRunner::post(Post p) {
+  pending_.push_back(std::move(p));
+  if (drive_ == Drive::kCoExec && pending_.size() >= kPostBatch) flush();
+}
+
+void PythonRunner::flush() {
+  try {
+    channel_->post_batch(pending_);
+  } catch (const ChannelCancelled&) {
+    surface_failure();  // a graph that failed cancelled the channel: its own error, not this one
+    throw;
+  }
+}
+
+void PythonRunner::surface_failure() {
+  try {
+    drain_outcomes(true);
+  } catch (const python_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    recover_from_failure(describe_failure(e.what()));
+  }
+}
+
+// "aten::select.int received the Python value 7 as index where the traced iterations passed 3".
+// ---- waiting and values ------------------------------------------------------------------------
+
+void PythonRunner::wait_for_graph(int64_t count) {
+  // Python reads after this: its stream must also wait for the graph's (docs/RUNTIME.md, "Streams").
+  StreamSync::JoinOnExit join(channel_->streams());
+  if (values_->published() >= count) return;
+  flush();
+  try {
+    wait_published(count);
+  } catch (const python_error&) {
+    throw;  // KeyboardInterrupt
+  } catch (const std::exception& e) {
+    recover_from_failure(describe_failure(e.what()));
+  }
+}
+
+void PythonRunner::stop_graph(const std::string& why) {
+  pending_.clear();
+  channel_->cancel(why);
+  GilRelease no_gil;
+  while (waited_ < started_) {
+    try {
+      runner_->wait_iteration(std::chrono::nanoseconds::max());
+    } catch (...) {
+      // a failed iteration, or one the cancel stopped
+    }
+    ++waited_;
+  }
+  runner_->reset();
+}
+
+void PythonRunner::recover_from_failure(const std::string& error) {
+  stop_graph("the graph failed");
+  known_.clear();  // what the graph had not computed did not happen
+  values_->clear();
+  links_.clear();
+  if (in_iteration_ && !diverged_) {
+    // Nothing of this iteration can run on the graph any more: the rest of it records real ops.
+    diverged_ = true;
+    reason_ = "the graph failed: " + error;
+    divergence_record_ = -1;
+    ++stats_.divergences;
+  }
+  throw std::runtime_error(error);
+}
+
+std::string PythonRunner::describe_failure(const std::string& error) {
+  // The graph runs ops in the order Python validated them and publishes each op's outputs
+  // when it has run: the first value not published is the op that failed (if Python had
+  // reached it; the graph may also have run ahead into ops Python has not validated yet).
+  // Iterations queued after the failed one are cancelled at their first channel op, and every
+  // publish is one, so the count stays where the failure left it.
+  if (error.find("The following operation failed") == std::string::npos) return error;
+  const std::optional<int64_t> tag = values_->tag_at(values_->published());
+  if (!tag) return error;
+  const trace::NodeId node = static_cast<trace::NodeId>(*tag >> 8);
+  const uint64_t key = program_.check_key(node);
+  if (key == 0) return error;
+  program_.add_check(key);
+  std::string where;
+  if (node_frames_ != nullptr && node < node_frames_->size())
+    for (const std::string& frame : (*node_frames_)[node]) where += "\n  " + frame;
+  const emit::OpInfo* info = program_.info(node);
+  return "terra_torch: " + (info ? c10::toString(info->op.operator_name()) : std::string("an op")) +
+         " raised in the graph after Python had gone past it (no except clause of the program covers it, and it "
+         "had not raised here before; from now on it is checked before the graph runs it)" +
+         (where.empty() ? std::string() : ", issued at:" + where) + "\n" + error;
+}
+
+void PythonRunner::wait_published(int64_t count) {
+  const auto t0 = Clock::now();
+  struct Account {
+    PythonRunnerStats& s;
+    Clock::time_point t0;
+    ~Account() { s.stall_ns += ns_since(t0); }
+  } account{stats_, t0};
+  GilRelease no_gil;
+  auto last_signal_check = t0;
+  while (!values_->wait_published(count, std::chrono::milliseconds(2))) {
+    if (channel_->cancelled()) {
+      // A failed graph cancels the channel before its iteration counts as finished: wait for
+      // it (it stops at its next channel op), so that its own error is the one raised.
+      drain_outcomes(true);
+      throw std::runtime_error("terra_torch: the graph was cancelled (" + channel_->cancel_reason() + ")");
+    }
+    if (runner_->in_flight() == 0) {
+      drain_outcomes(false);  // rethrows the graph's error, if it failed
+      if (values_->published() >= count) return;
+      throw std::runtime_error("terra_torch internal error: the graph stopped before computing output " +
+                               std::to_string(count - 1) + " of the program");
+    }
+    if (channel_->graph_stuck()) {
+      if (values_->published() >= count) return;
+      const auto w = channel_->graph_waiting_for();
+      std::ostringstream msg;
+      msg << "terra_torch internal error: Python needs output " << count - 1 << " of the program but the graph ("
+          << values_->published() << " published) waits for ";
+      if (w) {
+        msg << (w->kind == GraphWait::Kind::kFeed ? "feed " : w->kind == GraphWait::Kind::kGate ? "gate " : "decision ")
+            << w->id;
+      }
+      throw std::runtime_error(msg.str());
+    }
+    if (Clock::now() - last_signal_check > std::chrono::milliseconds(100)) {
+      last_signal_check = Clock::now();
+      check_signals();
+    }
+  }
+}
+
+void PythonRunner::drain_outcomes(bool block) {
+  GilRelease no_gil;
+  while (waited_ < started_) {
+    bool done = false;
+    try {
+      done = runner_->wait_iteration(block ? std::chrono::nanoseconds::max() : std::chrono::nanoseconds(0));
+    } catch (...) {
+      ++waited_;
+      throw;
+    }
+    if (!done) return;
+    ++waited_;
+  }
+}
+
+}  // namespace terra::runtime

@@ -1,0 +1,246 @@
+// The PythonRunner's per-op check: an op Python issued against the emitted graph. The cursor
+// steps (O(1)); every input must come from the producer the graph reads for the cursor's copy
+// (feeds, selected reads, checked reads, loops); Python scalars are fed or must equal the baked
+// constant; then the op's posts are queued, or the op is a divergence with its reason.
+#include "runtime/python_runner.h"
+
+#include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Exceptions.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/terra_key.h"
+#include "capture/value_checks.h"
+#include "runtime/executor.h"
+#include "runtime/gil_release.h"
+#include "runtime/runner_helpers.h"
+#include "trace/hash.h"
+
+namespace terra::runtime {
+
+// ---- the hook --------------------------------------------------------------------------------
+
+PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, const capture::OpRecord& rec,
+                                             int32_t index, c10::ArrayRef<c10::IValue> args, size_t num_outputs,
+                                             bool needs_data, bool host) {
+  ++stats_.ops;
+  if (diverged_) return Verdict::kDiverged;  // the graph failed under this iteration (recover_from_failure)
+  if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
+  const trace::OpKey key = program_.key_and_frames(region.trace(), rec, num_outputs, loops_);
+  const trace::Match m = cursor_.step(key, loops_);
+  if (!m.matched) return diverge(detail::op_name(rec) + " is not where the traced iterations had it", index);
+  const trace::NodeId node = m.node;
+  if (!emitted_.unsupported.empty()) {
+    const auto refused = emitted_.unsupported.find(node);
+    if (refused != emitted_.unsupported.end()) {
+      at_unsupported_ = true;  // the graph stops here on every path through this node
+      return diverge("the graph cannot run " + detail::op_name(rec) + " (" + refused->second + ")", index);
+    }
+  }
+  path_ = trace::hash_combine(path_, node);
+  const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
+
+  // The data flow must be the graph's too; checked for every input before anything is posted.
+  plan_.clear();
+  if (emitted) {
+    const trace::Node& gnode = program_.graph().node(node);
+    uint32_t slot = 0;
+    for (const capture::OpInput& in : rec.inputs) {
+      if (emit::is_none_input(region.trace(), in)) continue;
+      const uint32_t s = slot++;
+      const int64_t fslot = emitted_.feed_slot(node, s);
+      const emit::EmittedGraph::Selection* selection = selection_at(node, s);
+      if (in.value.is_external()) {
+        if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
+        const at::Tensor& t = region.external_tensors().at(in.value.external);
+        path_ = detail::hash_sizes(path_, t);  // sizes are not part of a node's key (see outputs())
+        if (fslot < 0)
+          return diverge(detail::op_name(rec) + " reads a tensor from outside the iteration where the graph reads a value it computes",
+                         index);
+        if (const auto linked = linked_index(t)) {
+          values_->pin(*linked);  // taken by the graph's feed (a later in-place op may retire it)
+          plan_.push_back(deferred_feed(fslot, *linked, t));
+        } else {
+          // A placeholder of another program (or an alias autograd made) that has its value
+          // becomes an ordinary tensor; one without a value is not something the graph can read.
+          if (!capture::adopt_if_backed(t))
+            return diverge(detail::op_name(rec) + " reads a placeholder this program did not make", index);
+          plan_.push_back(feed(fslot, t));
+        }
+        continue;
+      }
+      const trace::NodeId producer = record_nodes_.at(in.value.record);
+      bool known = false;
+      for (const trace::Source& src : gnode.inputs.at(s))
+        known |= src.kind == trace::Source::Kind::kNode && src.id == producer &&
+                 src.output == static_cast<uint32_t>(in.value.output);
+      if (!known)
+        return diverge(detail::op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
+      if (selection != nullptr) {
+        // The graph picks the producer Python read.
+        const auto& ps = selection->producers;
+        const auto it = std::find(ps.begin(), ps.end(), std::make_pair(producer, static_cast<uint32_t>(in.value.output)));
+        if (it == ps.end())
+          return diverge(detail::op_name(rec) + " reads a value produced by another op than the ones the graph picks among there",
+                         index);
+        plan_.push_back(decision(selection->site, it - ps.begin()));
+      } else if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
+        const auto producers = candidates(checked->second, gnode.inputs.at(s));
+        if (producers.empty() || !latest_is(producers, detail::argument_tensor(args, in)))
+          return diverge(detail::op_name(rec) + " reads another value than the one the graph reads there", index);
+      }
+      if (in_loop(producer) || in_loop(node)) {
+        // Inside prim::Loop every iteration of the producer writes the same graph value: only
+        // a read of its latest execution is one the graph can serve.
+        const at::Tensor t = detail::argument_tensor(args, in);
+        const Latest* latest = latest_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
+        if (!t.defined() || !t.has_storage() || latest == nullptr ||
+            latest->where != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+                                         t.storage_offset()))
+          return diverge(detail::op_name(rec) + " reads a value from an earlier iteration of a loop (the graph keeps only the latest)",
+                         index);
+      }
+      if (fslot >= 0) {
+        if (!emitted_.feeds[fslot].optional)
+          return diverge(detail::op_name(rec) + " reads a value computed in the iteration where the graph was fed one", index);
+        plan_.push_back(feed(fslot, at::Tensor()));
+      }
+    }
+  }
+
+  // Python scalars (floats, ints, bools, int lists): fed where they varied in the traces;
+  // elsewhere they must equal the constant the graph has baked in (one that changes for the
+  // first time is a divergence, and its trace makes the next graph feed it).
+  if (emitted) {
+    auto scalars = emitted_.node_scalars.find(node);
+    if (scalars != emitted_.node_scalars.end()) {
+      for (const auto& use : scalars->second) {
+        if (use.attribute >= rec.attributes.size())
+          return diverge(detail::op_name(rec) + " received another kind of argument than in the traced iterations", index);
+        const c10::IValue& v = rec.attributes[use.attribute];
+        if (use.slot >= 0) {
+          if (!emit::scalar_bits(v, use.kind, bits_))
+            return diverge(detail::op_name(rec) + " received another kind of argument than in the traced iterations", index);
+          if (emit::EmittedGraph::is_list(use.kind))
+            plan_.push_back(scalar_bits(use.slot, static_cast<int64_t>(bits_.size())));
+          for (const int64_t b : bits_) plan_.push_back(scalar_bits(use.slot, b));
+        } else if (!emit::scalar_equals(v, use.kind, use.constant)) {
+          return diverge(describe_scalar_change(rec, use, v), index);
+        }
+      }
+    }
+  }
+
+  if (emitted && !emitted_.node_generators.empty()) {
+    auto generators = emitted_.node_generators.find(node);
+    if (generators != emitted_.node_generators.end()) {
+      for (const auto& [attribute, impl] : generators->second)
+        if (attribute >= rec.attributes.size() || !rec.attributes[attribute].isGenerator() ||
+            rec.attributes[attribute].toGenerator().unsafeGetGeneratorImpl() != impl)
+          return diverge(detail::op_name(rec) + " draws from another torch.Generator than the one the graph draws from", index);
+    }
+  }
+
+  if (emitted && emitted_.node_gated[node]) plan_.push_back(gate(node));
+  if (recording_) record_step(region, key, node, host || needs_data);
+  for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
+  for (Post& p : plan_) post(std::move(p));
+  record_nodes_[index] = node;
+  if (host || needs_data) return Verdict::kRunReal;
+  ++stats_.placeholders;
+  return Verdict::kPlaceholder;
+}
+
+
+std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, const emit::EmittedGraph::ScalarUse& use,
+                                                 const c10::IValue& now) {
+  std::ostringstream msg;
+  msg << detail::op_name(rec) << " received the Python value " << now;
+  const auto& params = rec.op.schema().arguments();
+  if (use.attribute < rec.attribute_arguments.size()) {
+    const size_t arg = static_cast<size_t>(rec.attribute_arguments[use.attribute]);
+    if (arg < params.size()) msg << " as " << params[arg].name();
+  }
+  msg << " where the traced iterations passed ";
+  using K = emit::EmittedGraph::ScalarKind;
+  if (use.kind == K::kFloat && use.constant.size() == 1) {
+    double d;
+    std::memcpy(&d, &use.constant[0], sizeof d);
+    msg << d;
+  } else if (use.kind == K::kBool && use.constant.size() == 1) {
+    msg << (use.constant[0] != 0 ? "True" : "False");
+  } else if (use.kind == K::kFloatList) {
+    msg << "[";
+    for (size_t i = 0; i < use.constant.size(); ++i) {
+      double d;
+      std::memcpy(&d, &use.constant[i], sizeof d);
+      msg << (i ? ", " : "") << d;
+    }
+    msg << "]";
+  } else if (use.kind == K::kIntList) {
+    msg << "[";
+    for (size_t i = 0; i < use.constant.size(); ++i) msg << (i ? ", " : "") << use.constant[i];
+    msg << "]";
+  } else if (!use.constant.empty()) {
+    msg << use.constant[0];
+  }
+  return msg.str();
+}
+
+// Where the graph reads one of several producers it reads the one that ran last (value_flow.h);
+// Python's input must be the latest output of the latest-run one among `producers` (candidates()).
+bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers,
+                             const at::Tensor& t) const {
+  int64_t best_seq = -1;
+  const std::pair<const void*, int64_t>* best = nullptr;
+  for (const auto& [node, output] : producers) {
+    const int64_t tag = emit::EmittedGraph::publish_tag(node, output);
+    const Latest* latest = latest_.find(tag);
+    if (latest == nullptr || latest->seq <= best_seq) continue;
+    best_seq = latest->seq;
+    best = &latest->where;
+  }
+  if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
+  return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
+                                 t.storage_offset());
+}
+
+// The producers the graph reads for the copy the cursor stands in; every producer of the node's
+// input where that copy's set holds "any copy of" a producer; none (so no tensor passes) for a
+// copy the emitter never saw.
+std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
+    const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
+    const std::vector<trace::Source>& sources) {
+  cursor_.copy_index(copy_);
+  auto it = per_copy.find(copy_);
+  if (it == per_copy.end()) return {};
+  if (!it->second.empty()) return it->second;
+  std::vector<std::pair<trace::NodeId, uint32_t>> all;
+  for (const trace::Source& src : sources)
+    if (src.kind == trace::Source::Kind::kNode) all.emplace_back(src.id, src.output);
+  return all;
+}
+
+const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot) {
+  if (emitted_.selected_reads.empty()) return nullptr;
+  const auto it = emitted_.selected_reads.find(emit::EmittedGraph::key(node, slot));
+  if (it == emitted_.selected_reads.end()) return nullptr;
+  cursor_.copy_index(copy_);
+  const auto c = it->second.find(copy_);
+  return c == it->second.end() ? nullptr : &c->second;
+}
+
+bool PythonRunner::in_loop(trace::NodeId n) const {
+  return n < emitted_.node_in_loop.size() && emitted_.node_in_loop[n] != 0;
+}
+
+}  // namespace terra::runtime
