@@ -54,7 +54,8 @@ class CoExecHook {
   // Values Python knows itself (runtime/known_values.h). `out`: `args` with every tensor replaced
   // by its known value; false if some tensor has none. A read (`read`: the op needs data) whose
   // arguments are all known runs on them instead of waiting for the graph.
-  virtual bool known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) = 0;
+  virtual bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
+                               torch::jit::Stack& out) = 0;
   // After an op answered with placeholders whose arguments were all known (`known`): its outputs'
   // values follow from them.
   virtual void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,

@@ -465,7 +465,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     torch::jit::Stack known;
     if (needs_data) {
       rec.needs_materialization = true;
-      if (hook_->known_arguments(args, true, known)) {
+      if (hook_->known_arguments(op, args, true, known)) {
         // Python knows every input's value: the op reads those, not the graph's (no wait).
         for (size_t i = 0; i < known.size(); ++i) (*stack)[stack->size() - known.size() + i] = known[i];
       } else {
@@ -495,7 +495,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     return false;
   }
   torch::jit::Stack known;
-  const bool follows = hook_->known_arguments(args, false, known);  // (before the arguments leave the stack)
+  const bool follows = hook_->known_arguments(op, args, false, known);  // (before the arguments leave the stack)
   if (!follows) hook_->forget_written(op, args);
   run_placeholder(op, *inferred, rec, index, args, stack);
   const c10::SmallVector<at::Tensor, 4> outputs = flatten();

@@ -448,6 +448,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       r.leaves[j].mutable_grad() = new_grads[j];
     } else if (o.kind == LeafOutcome::Kind::kInPlace) {
       for (int64_t b = 0; b < o.version_bumps; ++b) torch::autograd::impl::bump_version(grads_before[j]);
+      known_.forget(grads_before[j]);  // the graph writes it: no known or fresh value
     }
   }
   for (const BackwardMemo::Alias& a : memo.external_aliases)

@@ -14,7 +14,8 @@ bool KnownValues::small_cpu(const at::Tensor& t) {
 
 const KnownValues::Known* KnownValues::find(const at::Tensor& t) const {
   const Known* k = known_.find(t.unsafeGetTensorImpl());
-  if (k == nullptr || k->impl->expired() || t.is_inference() || k->version != t._version()) return nullptr;
+  if (k == nullptr || !k->settled || k->impl->expired() || t.is_inference() || k->version != t._version())
+    return nullptr;
   return k;
 }
 
@@ -32,24 +33,58 @@ void KnownValues::learn(const at::Tensor& t) {
   k.version = t._version();
 }
 
+bool KnownValues::was_written(const void* storage) const {
+  const auto it = written_.find(storage);
+  return it != written_.end() && !it->second.expired();  // (a dead one's address is another storage now)
+}
+
+bool KnownValues::fresh(const at::Tensor& t) const {
+  // A real small CPU tensor that no co-executed op ever wrote (torch.tensor(1.0), made by Python
+  // outside the interceptor): only such ops leave writes pending in the graph, so its memory is
+  // its value now. Written storages are remembered, so a view of a written tensor is not fresh.
+  return small_cpu(t) && !capture::is_placeholder(t) && t.has_storage() && t.data_ptr() != nullptr &&
+         !written_overflow_ && !was_written(t.storage().unsafeGetStorageImpl());
+}
+
 bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out) const {
   if (known_.empty()) return false;
   out.clear();
   bool any = false;
+  // The known value of one tensor argument (itself for Python numbers and fresh tensors).
+  auto value_of = [&](const at::Tensor& t, at::Tensor& v) {
+    if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      v = t;
+      return true;
+    }
+    if (const Known* k = find(t)) {
+      v = k->value;
+      any = true;
+      return true;
+    }
+    if (fresh(t)) {
+      // A copy: the op may write it, and only the graph may write the real one.
+      capture::SuspendGuard no_interception;
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      v = t.clone();
+      any = true;
+      return true;
+    }
+    return false;
+  };
+  at::Tensor v;
   for (const c10::IValue& a : args) {
     if (a.isTensor()) {
-      const at::Tensor& t = a.toTensor();
-      if (!t.defined()) {
-        out.push_back(a);
-      } else if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-        out.push_back(a);  // a Python number: its value is its own
-      } else if (const Known* k = find(t)) {
-        out.emplace_back(k->value);
-        any = true;
-      } else {
-        return false;
+      if (!value_of(a.toTensor(), v)) return false;
+      out.emplace_back(v);
+    } else if (a.isTensorList()) {
+      // A foreach op on step counters (Adam's _foreach_add_(steps, tensor(1.0)) on CPU).
+      c10::List<at::Tensor> list;
+      for (const at::Tensor& t : a.toTensorList().vec()) {
+        if (!value_of(t, v)) return false;
+        list.push_back(v);
       }
-    } else if (a.isTensorList() || a.isOptionalTensorList()) {
+      out.emplace_back(std::move(list));
+    } else if (a.isOptionalTensorList()) {
       return false;
     } else {
       out.push_back(a);
@@ -58,10 +93,32 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
   return any;
 }
 
-void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs) {
-  if (op.hasTag(at::Tag::nondeterministic_seeded) || outputs.empty()) return;
+void KnownValues::note_written(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return;
+  if (written_.size() >= kMaxWritten) {
+    written_overflow_ = true;  // from now on no tensor counts as fresh (safe, only slower)
+    return;
+  }
+  written_.insert_or_assign(t.storage().unsafeGetStorageImpl(), t.storage().getWeakStorageImpl());
+}
+
+void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> written,
+                         c10::ArrayRef<at::Tensor> outputs) {
+  for (const at::Tensor& t : written) note_written(t);
+  if (op.hasTag(at::Tag::nondeterministic_seeded) || (outputs.empty() && written.empty())) return;
   for (const at::Tensor& t : outputs)
     if (!t.defined() || !t.is_cpu() || t.numel() > kMaxKnownElements) return;
+  // The copies the op writes (arguments written in place), in the order of `written`.
+  c10::SmallVector<at::Tensor, 4> written_copies;
+  const auto& params = op.schema().arguments();
+  for (size_t i = 0; i < params.size() && i < known.size(); ++i) {
+    const c10::AliasInfo* alias = params[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (known[i].isTensor()) written_copies.push_back(known[i].toTensor());
+    else if (known[i].isTensorList())
+      for (const at::Tensor& t : known[i].toTensorList().vec()) written_copies.push_back(t);
+  }
+  if (written_copies.size() != written.size()) return;
   {
     capture::SuspendGuard no_interception;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the copies are ours, not the program's
@@ -70,6 +127,20 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
     } catch (const std::exception&) {
       return;  // the graph's own run raises where eager would; the copies just stay unknown
     }
+  }
+  // Arguments written in place: their copies were updated in place. Whether autograd bumps a
+  // version after this op returns depends on the op (ADInplaceOrView does for add_; a foreach
+  // op's version bumps come from inside its kernel, which co-execution never runs), so the
+  // version is settled at the next op (settle()).
+  for (size_t w = 0; w < written.size(); ++w) {
+    const at::Tensor& t = written[w];
+    if (!t.defined()) continue;
+    Known& entry = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
+    entry.impl.emplace(t.getIntrusivePtr());
+    entry.value = written_copies[w];
+    entry.version = t._version();
+    entry.settled = false;
+    unsettled_.push_back(t.unsafeGetTensorImpl());
   }
   size_t k = 0;
   for (const c10::IValue& r : known) {
@@ -83,14 +154,28 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
                           entry.value.unsafeGetTensorImpl() == value.unsafeGetTensorImpl();
     entry.impl.emplace(out.getIntrusivePtr());
     entry.value = value;
-    // A fresh placeholder keeps version 0; an argument written in place is bumped once by
-    // ADInplaceOrView after this op returns.
-    entry.version = out._version() + (in_place ? 1 : 0);
+    entry.version = out._version();
+    if (in_place) {  // (also a written argument: settled at the next op)
+      if (entry.settled) unsettled_.push_back(out.unsafeGetTensorImpl());
+      entry.settled = false;
+    }
   }
+}
+
+void KnownValues::settle() {
+  for (const c10::TensorImpl* impl : unsettled_) {
+    Known* k = known_.find(impl);
+    if (k == nullptr || k->settled) continue;
+    k->settled = true;
+    if (!k->impl || k->impl->expired()) continue;
+    k->version = impl->version_counter().current_version();
+  }
+  unsettled_.clear();
 }
 
 void KnownValues::prune() {
   known_.erase_if([](const c10::TensorImpl*, const Known& k) { return !k.impl || k.impl->expired(); });
+  for (auto it = written_.begin(); it != written_.end();) it = it->second.expired() ? written_.erase(it) : std::next(it);
 }
 
 }  // namespace terra::runtime

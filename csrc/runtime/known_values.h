@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <unordered_map>
 
 #include "common/flat_map.h"
 
@@ -46,16 +47,30 @@ class KnownValues {
   // `args` with every tensor replaced by its known value (a Python number stands for itself);
   // false if some tensor argument has none (or a list of tensors is passed).
   bool substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out) const;
+  // A tensor a co-executed op writes (the graph writes it later): it is never fresh.
+  void note_written(const at::Tensor& t);
   // After an op Python answered with placeholders, whose arguments substitute() replaced in
   // `known`: runs it on them (below autograd, without interception) and keeps the results as
-  // the values of `outputs` (the op's outputs, flattened), if they are all small CPU tensors.
-  void follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs);
+  // the values of `outputs` (the op's outputs, flattened) if they are all small CPU tensors, and
+  // of `written` (the tensors the op writes in place, list elements flattened, in schema order).
+  void follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> written,
+              c10::ArrayRef<at::Tensor> outputs);
   // `t` is written by an op Python does not follow.
   void forget(const at::Tensor& t) {
-    if (t.defined()) known_.erase(t.unsafeGetTensorImpl());
+    if (!t.defined()) return;
+    if (!known_.empty()) known_.erase(t.unsafeGetTensorImpl());
+    note_written(t);
   }
   // Forgets everything (the graph failed: what it had not computed never happened).
-  void clear() { known_.clear(); }
+  void clear() {
+    known_.clear();
+    unsettled_.clear();
+  }
+  // The ops that wrote known tensors have returned through autograd: their versions are final.
+  // Called before every op, and at the end of an iteration.
+  void settle();
+  // Dead entries may have piled up (checked once per iteration).
+  bool wants_pruning() const { return known_.size() > 64 || written_.size() > 4096; }
   // Drops the entries of tensors that died.
   void prune();
   bool empty() const { return known_.empty(); }
@@ -68,11 +83,20 @@ class KnownValues {
     std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;
     at::Tensor value;
     int64_t version = 0;  // the tensor's version counter when `value` was its value
+    bool settled = true;  // false between an op that wrote it and the next op (settle())
   };
   static bool small_cpu(const at::Tensor& t);
   const Known* find(const at::Tensor& t) const;
+  bool fresh(const at::Tensor& t) const;
+  bool was_written(const void* storage) const;
 
   common::FlatMap<const c10::TensorImpl*, Known> known_;
+  // The storage of every tensor a co-executed op wrote, views included, held weakly: a storage
+  // that died frees its address for a fresh tensor. Bounded; past the bound nothing is fresh.
+  static constexpr size_t kMaxWritten = 1 << 20;
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
+  std::vector<const c10::TensorImpl*> unsettled_;
+  bool written_overflow_ = false;
   int64_t answered_ = 0;
 };
 

@@ -33,6 +33,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                                              int32_t index, c10::ArrayRef<c10::IValue> args, size_t num_outputs,
                                              bool needs_data, bool host) {
   ++stats_.ops;
+  known_.settle();  // (the previous op has returned through autograd)
   if (diverged_) return Verdict::kDiverged;  // the graph failed under this iteration (recover_from_failure)
   if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
   const trace::OpKey key = program_.key_and_frames(region.trace(), rec, num_outputs, loops_);

@@ -92,7 +92,7 @@ void PythonRunner::begin_iteration() {
   divergence_record_ = -1;
   links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
   values_->sweep();
-  if (known_.size() > 64) known_.prune();
+  if (known_.wants_pruning()) known_.prune();
   runner_->start_iteration();
   ++started_;
   in_iteration_ = true;
@@ -104,6 +104,7 @@ bool PythonRunner::end_iteration(bool partial) {
     bool& flag;
     ~Ended() { flag = false; }
   } ended{in_iteration_};
+  known_.settle();
   if (!diverged_) {
     const trace::Match m = cursor_.finish();
     if (!m.matched && partial) {
@@ -154,19 +155,34 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   }
 }
 
-bool PythonRunner::known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) {
+bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
+                                   torch::jit::Stack& out) {
   if (!known_values_enabled_ || diverged_ || known_.empty() || !known_.substitute(args, out)) return false;
-  if (read) ++stats_.known_reads;
+  if (read) {
+    ++stats_.known_reads;
+    return true;
+  }
+  // The tensors it writes, for follow_known (the arguments are gone from the stack by then).
+  known_written_.clear();
+  const auto& params = op.schema().arguments();
+  for (size_t i = 0; i < params.size() && i < args.size(); ++i) {
+    const c10::AliasInfo* alias = params[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (args[i].isTensor()) known_written_.push_back(args[i].toTensor());
+    else if (args[i].isTensorList())
+      for (const at::Tensor& t : args[i].toTensorList().vec()) known_written_.push_back(t);
+  }
   return true;
 }
 
 void PythonRunner::follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
                                 c10::ArrayRef<at::Tensor> outputs) {
-  known_.follow(op, known, outputs);
+  known_.follow(op, known, known_written_, outputs);
+  known_written_.clear();
 }
 
 void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  if (known_.empty()) return;
+  if (!known_values_enabled_) return;  // (also while nothing is known: the writes are remembered)
   const auto& params = op.schema().arguments();
   for (size_t i = 0; i < params.size() && i < args.size(); ++i) {
     const c10::AliasInfo* alias = params[i].alias_info();
@@ -259,6 +275,7 @@ std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
 // ---- divergence and synchronization ------------------------------------------------------------
 
 PythonRunner::Verdict PythonRunner::diverge(std::string reason, int32_t record) {
+  known_.clear();  // the rest of the iteration writes for real: no copy survives it
   diverged_ = true;
   reason_ = std::move(reason);
   divergence_record_ = record;

@@ -118,7 +118,8 @@ class PythonRunner final : public capture::CoExecHook {
   void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
   bool check_first(const capture::OpRecord& rec) override;
   Verdict check_raised(const capture::Region& region, const capture::OpRecord& rec, int32_t index) override;
-  bool known_arguments(c10::ArrayRef<c10::IValue> args, bool read, torch::jit::Stack& out) override;
+  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
+                       torch::jit::Stack& out) override;
   void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs) override;
   void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) override;
   void refuse(int32_t index, std::string why) override {
@@ -227,6 +228,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
   KnownValues known_;
+  c10::SmallVector<at::Tensor, 4> known_written_;  // between known_arguments and follow_known
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
   const bool known_values_enabled_ = [] {
     const char* v = std::getenv("TERRA_KNOWN_VALUES");

@@ -265,3 +265,28 @@ def test_tiny_bert_with_three_sequence_lengths():
 
     r = check(make, step)
     assert r.stats.runner["backward_replayed"] >= STEPS - 3 * WARMUP, r.stats.runner
+
+
+def test_foreach_adam_step_counters_are_followed_through_the_foreach_op():
+    """Foreach Adam increments every step counter with one _foreach_add_(steps, tensor(1.0)) (CPU
+    path of torch/optim/adam.py) and reads each of them twice per step: the list op is followed
+    on the copies, so after the first reads none waits. (The foreach kernel's version bumps
+    happen inside it, which co-execution never runs: a copy's version is settled at the next op.)"""
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+
+    def step(model, opt, i, log):
+        loss = model(TOKENS[i % 4, :, 0, :8]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.detach())
+        if i % 7 == 0:
+            log.append([s["step"].item() for s in opt.state.values()])
+
+    r = check(make, step)
+    runner = r.stats.runner
+    assert runner["python_reads"] <= 4 * 3, runner  # 4 parameters: only the first reads of a graph wait
+    assert runner["known_reads"] >= 2 * 4 * (STEPS - 2 * WARMUP), runner
