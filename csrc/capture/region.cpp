@@ -13,6 +13,7 @@
 
 #include "capture/coexec_hook.h"
 #include "capture/interceptor.h"
+#include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/shape_inference.h"
 #include "capture/terra_key.h"
@@ -41,24 +42,14 @@ void check_injected_failure(const c10::OperatorHandle& op) {
 std::atomic<size_t> g_expected_ops{256};  // ops of the latest closed region
 std::atomic<size_t> g_expected_externals{64};  // and its external inputs
 
-
 // A Python scalar passed straight to an op (a learning rate, Adam's bias correction, the index of
 // x[i], the sizes of a view, a keepdim flag) is a value of the program, not part of the op's
-// identity: it is hashed by type only (an int list by type and length), so that iterations that
-// differ in it share one TraceGraph node, and the generated graph receives it as a feed (emit:
-// scalar feeds, captured_program.h: scalar_kind). Scalars inside other lists (float scale
-// factors) stay part of the identity, and so do all of a terra:: op's (`generalize` false).
-// Opaque objects (the profiler's record handle, a ScriptObject new every iteration) are hashed
-// by type: their identity is not the program's.
-// float[] or a Scalar[] of floats (foreach optimizers' per-parameter step sizes): a value, like
-// a float (emit::is_float_list decides the same for the graph).
-bool floats_only(const c10::IValue& v) {
-  if (v.isDoubleList()) return true;
-  if (!v.isList()) return false;
-  const auto& list = v.toListRef();
-  return !list.empty() && std::all_of(list.begin(), list.end(), [](const c10::IValue& e) { return e.isDouble(); });
-}
-
+// identity: it is hashed by type only (an int list or a list of floats, is_float_list, by type and
+// length), so that iterations that differ in it share one TraceGraph node, and the generated
+// graph receives it as a feed (emit: scalar feeds, captured_program.h: scalar_kind). Scalars
+// inside other lists stay part of the identity, and so do all of a terra:: op's (`generalize`
+// false). Opaque objects (the profiler's record handle, a ScriptObject new every iteration) are
+// hashed by type: their identity is not the program's.
 uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true, bool generalize = true) {
   h = trace::hash_combine(h, static_cast<uint64_t>(v.tag));
   const bool value = top_level && generalize;
@@ -73,7 +64,7 @@ uint64_t hash_attribute(uint64_t h, const c10::IValue& v, bool top_level = true,
   }
   if (v.isString()) return trace::hash_combine(h, std::hash<std::string>()(v.toStringRef()));
   if (v.isDevice()) return trace::hash_combine(h, static_cast<uint64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
-  if ((v.isIntList() || floats_only(v)) && value) return trace::hash_combine(h, v.toListRef().size());
+  if ((v.isIntList() || is_float_list(v)) && value) return trace::hash_combine(h, v.toListRef().size());
   if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) h = hash_attribute(h, e, false);
     return h;
@@ -106,12 +97,6 @@ at::Tensor copy_wrapped_number(const at::Tensor& t) {
 
 bool is_tensor_like(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isOptionalTensorList();
-}
-
-bool writes_an_argument(const c10::OperatorHandle& op) {
-  for (const c10::Argument& a : op.schema().arguments())
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
-  return false;
 }
 
 // Neither takes nor gives tensors. Almost every op has a tensor argument, so the arguments at

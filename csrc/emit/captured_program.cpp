@@ -40,13 +40,6 @@ uint64_t layout_hash(const capture::Trace& trace, const capture::OpRecord& rec, 
 
 }  // namespace
 
-bool is_float_list(const c10::IValue& v) {
-  if (v.isDoubleList()) return true;
-  if (!v.isList()) return false;  // a Scalar[] argument arrives as a generic list of numbers
-  const auto& list = v.toListRef();
-  return !list.empty() && std::all_of(list.begin(), list.end(), [](const c10::IValue& e) { return e.isDouble(); });
-}
-
 bool generalizes(const c10::OperatorHandle& op) { return op.operator_name().getNamespace() != "terra"; }
 
 std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v) {
@@ -55,7 +48,7 @@ std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v) {
   if (v.isInt()) return K::kInt;
   if (v.isBool()) return K::kBool;
   if (v.isIntList()) return K::kIntList;
-  if (is_float_list(v)) return K::kFloatList;  // foreach optimizers' per-parameter step sizes
+  if (capture::is_float_list(v)) return K::kFloatList;  // foreach optimizers' per-parameter step sizes
   return std::nullopt;
 }
 
@@ -84,7 +77,7 @@ bool scalar_bits(const c10::IValue& v, EmittedGraph::ScalarKind kind, std::vecto
       for (const c10::IValue& e : v.toListRef()) out.push_back(e.toInt());
       return true;
     case K::kFloatList:
-      if (!is_float_list(v)) return false;
+      if (!capture::is_float_list(v)) return false;
       for (const c10::IValue& e : v.toListRef()) {
         const double d = e.toDouble();
         int64_t bits;
@@ -119,7 +112,7 @@ bool scalar_equals(const c10::IValue& v, EmittedGraph::ScalarKind kind, const st
       return true;
     }
     case K::kFloatList: {
-      if (!is_float_list(v)) return false;
+      if (!capture::is_float_list(v)) return false;
       const auto& list = v.toListRef();
       if (list.size() != bits.size()) return false;
       for (size_t i = 0; i < bits.size(); ++i) {
@@ -149,9 +142,7 @@ trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, s
 }
 
 bool has_side_effect(const c10::OperatorHandle& op) {
-  for (const c10::Argument& a : op.schema().arguments())
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
-  return op.hasTag(at::Tag::nondeterministic_seeded);
+  return capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded);
 }
 
 uint64_t operator_id(const c10::OperatorName& name) {

@@ -14,6 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "capture/op_arguments.h"
 #include "capture/trace_record.h"
 #include "capture/value_checks.h"
 #include "emit/emitted_graph.h"
@@ -52,8 +53,6 @@ struct OpInfo {
 // the node's identity. Ops of the terra namespace keep all of theirs (a terra::fetch marker's tag
 // names the read): `generalizes` says whether an op's scalars are values at all.
 bool generalizes(const c10::OperatorHandle& op);
-// A list of Python floats: float[] or a Scalar[] argument holding floats only.
-bool is_float_list(const c10::IValue& v);
 std::optional<EmittedGraph::ScalarKind> scalar_kind(const c10::IValue& v);
 // `v`'s encoding (emitted_graph.h); false when it is not of kind `kind`.
 bool scalar_bits(const c10::IValue& v, EmittedGraph::ScalarKind kind, std::vector<int64_t>& out);

@@ -18,6 +18,7 @@
 #include "capture/placeholder.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
+#include "emit/captured_program.h"
 #include "emit/channel.h"
 #include "runtime/python_runner.h"
 #include "trace/hash.h"
@@ -55,25 +56,13 @@ bool same_number(const at::Tensor& a, const at::Tensor& b) {
   return std::memcmp(a.data_ptr(), b.data_ptr(), a.element_size()) == 0;
 }
 
-// Non-tensor arguments equal as the graph would see them (numbers by value and kind, lists
-// elementwise; other kinds, say a generator, by identity).
-bool same_attribute(const c10::IValue& a, const c10::IValue& b) {
+// Non-tensor arguments equal as the graph would see them: the Python scalars the graph may feed
+// by their bits (emit::scalar_equals, as the PythonRunner checks baked constants), the rest as
+// values (None, strings, devices, other lists) or, for objects such as a generator, by identity.
+bool same_attribute(const c10::IValue& a, const c10::IValue& b, std::vector<int64_t>& scratch) {
+  if (const auto kind = emit::scalar_kind(a)) return emit::scalar_bits(a, *kind, scratch) && emit::scalar_equals(b, *kind, scratch);
   if (a.tagKind() != b.tagKind()) return false;
-  if (a.isDouble()) {
-    const double x = a.toDouble(), y = b.toDouble();
-    return std::memcmp(&x, &y, sizeof x) == 0;  // bits: -0.0 and 0.0 give different results
-  }
-  if (a.isInt() || a.isBool() || a.isString() || a.isNone() || a.isDevice() || a.isIntList() || a.isDoubleList() ||
-      a.isBoolList())
-    return a == b;
-  if (a.isList()) {
-    const auto& x = a.toListRef();
-    const auto& y = b.toListRef();
-    if (x.size() != y.size()) return false;
-    for (size_t i = 0; i < x.size(); ++i)
-      if (!same_attribute(x[i], y[i])) return false;
-    return true;
-  }
+  if (a.isNone() || a.isString() || a.isDevice() || a.isList()) return a == b;
   return a.isSameIdentity(b);
 }
 
@@ -120,12 +109,6 @@ void release_saved(const AutogradReach& reach) {
 }
 
 // ---- the PythonRunner's half --------------------------------------------------------------------
-
-namespace {
-
-bool in_range(int64_t key, int64_t base) { return key >= base && key < base + (int64_t(1) << 40); }
-
-}  // namespace
 
 PythonRunner::BackwardPath PythonRunner::per_op(std::string why) {
   ++backward_stats_.per_op;
@@ -175,11 +158,12 @@ PythonRunner::BackwardPath PythonRunner::begin_backward(capture::Region& region,
       if (!same_ref(m.grads[i], key.grads[i])) return false;
     for (size_t i = 0; i < m.leaves.size(); ++i)
       if (m.leaves[i].expired() || m.leaves[i]._unsafe_get_target() != r.leaves[i].unsafeGetTensorImpl()) return false;
+    std::vector<int64_t> scratch;
     for (const auto& [origin, attributes] : m.origin_attributes) {
       const auto& now = region.trace().ops.at(origin).attributes;
       if (now.size() != attributes.size()) return false;
       for (size_t a = 0; a < now.size(); ++a)
-        if (!same_attribute(now[a], attributes[a])) return false;
+        if (!same_attribute(attributes[a], now[a], scratch)) return false;
     }
     return true;
   };
@@ -226,7 +210,7 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
     out.value = p.value;
     switch (p.kind) {
       case Post::Kind::kDecision:
-        if (in_range(p.key, kScalarKeyBase)) {
+        if (is_scalar_key(p.key)) {
           // A fed number of a backward op (a view's sizes, a select's index) follows from its
           // forward op's arguments and the sizes in the key: replayed as recorded while the
           // forward op's arguments are the same (BackwardMemo::origin_attributes).
@@ -236,7 +220,7 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
           if (std::find(r.scalar_origins.begin(), r.scalar_origins.end(), origin) == r.scalar_origins.end())
             r.scalar_origins.push_back(origin);
         }
-        if (p.key >= emit::kSelectSiteBase && p.key < kGateKeyBase)
+        if (is_select_site(p.key))
           return not_replayable("the backward reads where the graph picks the producer Python read");
         out.kind = ReplayPost::Kind::kDecision;
         break;

@@ -29,8 +29,11 @@ class ValueTable;
 // Gates share the decision queues under their own key range (sites are small numbers).
 inline constexpr int64_t kGateKeyBase = int64_t(1) << 40;
 // Scalar feeds: a float as its bits, an int or bool as itself, an int list as its length and
-// then its elements. One range for all kinds (the backward replay refuses every key in it).
+// then its elements (float lists: length, then the elements' bits). One range for all kinds.
 inline constexpr int64_t kScalarKeyBase = int64_t(2) << 40;
+inline bool is_scalar_key(int64_t key) { return key >= kScalarKeyBase; }
+// Selected reads' case-select sites (emit/channel.h) lie below the gates.
+inline bool is_select_site(int64_t key) { return key >= emit::kSelectSiteBase && key < kGateKeyBase; }
 
 // Thrown on both sides once the channel is cancelled. On the graph side it unwinds the running
 // graph out of whatever channel op it was in (the interpreter rethrows it as a runtime_error,

@@ -2,6 +2,7 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
+#include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
 
@@ -21,16 +22,16 @@ const KnownValues::Known* KnownValues::find(const at::Tensor& t) const {
 
 void KnownValues::learn(const at::Tensor& t) {
   if (!small_cpu(t) || capture::is_placeholder(t) || !t.has_storage() || t.data_ptr() == nullptr) return;
-  at::Tensor copy;
-  {
-    capture::SuspendGuard no_interception;
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
-    copy = t.clone();
-  }
   Known& k = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
   k.impl.emplace(t.getIntrusivePtr());
-  k.value = std::move(copy);
+  k.value = copy_of(t);
   k.version = t._version();
+}
+
+at::Tensor KnownValues::copy_of(const at::Tensor& t) {
+  capture::SuspendGuard no_interception;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+  return t.clone();
 }
 
 bool KnownValues::was_written(const void* storage) const {
@@ -62,10 +63,7 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
       return true;
     }
     if (fresh(t)) {
-      // A copy: the op may write it, and only the graph may write the real one.
-      capture::SuspendGuard no_interception;
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      v = t.clone();
+      v = copy_of(t);  // the op may write it, and only the graph may write the real one
       any = true;
       return true;
     }
@@ -110,14 +108,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
     if (!t.defined() || !t.is_cpu() || t.numel() > kMaxKnownElements) return;
   // The copies the op writes (arguments written in place), in the order of `written`.
   c10::SmallVector<at::Tensor, 4> written_copies;
-  const auto& params = op.schema().arguments();
-  for (size_t i = 0; i < params.size() && i < known.size(); ++i) {
-    const c10::AliasInfo* alias = params[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) continue;
-    if (known[i].isTensor()) written_copies.push_back(known[i].toTensor());
-    else if (known[i].isTensorList())
-      for (const at::Tensor& t : known[i].toTensorList().vec()) written_copies.push_back(t);
-  }
+  capture::for_each_written(op, known, [&](const at::Tensor& t) { written_copies.push_back(t); });
   if (written_copies.size() != written.size()) return;
   {
     capture::SuspendGuard no_interception;

@@ -75,8 +75,6 @@ class KnownValues {
   void prune();
   bool empty() const { return known_.empty(); }
   size_t size() const { return known_.size(); }
-  int64_t answered() const { return answered_; }
-  void count_answer() { ++answered_; }
 
  private:
   struct Known {
@@ -86,6 +84,7 @@ class KnownValues {
     bool settled = true;  // false between an op that wrote it and the next op (settle())
   };
   static bool small_cpu(const at::Tensor& t);
+  static at::Tensor copy_of(const at::Tensor& t);  // a private copy, made below autograd
   const Known* find(const at::Tensor& t) const;
   bool fresh(const at::Tensor& t) const;
   bool was_written(const void* storage) const;
@@ -97,7 +96,6 @@ class KnownValues {
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
   std::vector<const c10::TensorImpl*> unsettled_;
   bool written_overflow_ = false;
-  int64_t answered_ = 0;
 };
 
 }  // namespace terra::runtime

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
@@ -164,14 +165,7 @@ bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<
   }
   // The tensors it writes, for follow_known (the arguments are gone from the stack by then).
   known_written_.clear();
-  const auto& params = op.schema().arguments();
-  for (size_t i = 0; i < params.size() && i < args.size(); ++i) {
-    const c10::AliasInfo* alias = params[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) continue;
-    if (args[i].isTensor()) known_written_.push_back(args[i].toTensor());
-    else if (args[i].isTensorList())
-      for (const at::Tensor& t : args[i].toTensorList().vec()) known_written_.push_back(t);
-  }
+  capture::for_each_written(op, args, [&](const at::Tensor& t) { known_written_.push_back(t); });
   return true;
 }
 
@@ -182,17 +176,8 @@ void PythonRunner::follow_known(const c10::OperatorHandle& op, torch::jit::Stack
 }
 
 void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  if (!known_values_enabled_) return;  // (also while nothing is known: the writes are remembered)
-  const auto& params = op.schema().arguments();
-  for (size_t i = 0; i < params.size() && i < args.size(); ++i) {
-    const c10::AliasInfo* alias = params[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) continue;
-    if (args[i].isTensor()) {
-      known_.forget(args[i].toTensor());
-    } else if (args[i].isTensorList()) {
-      for (const at::Tensor& t : args[i].toTensorList().vec()) known_.forget(t);
-    }
-  }
+  // (Also while nothing is known: the written storages are remembered, so they are never fresh.)
+  if (known_values_enabled_) capture::for_each_written(op, args, [&](const at::Tensor& t) { known_.forget(t); });
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {

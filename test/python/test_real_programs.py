@@ -49,6 +49,14 @@ def run(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], step: Calla
     return out
 
 
+def optimize(opt: torch.optim.Optimizer, loss: torch.Tensor, log: list[Any]) -> None:
+    """The usual end of a step: zero_grad, backward, step; the loss goes to the log."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    log.append(loss.detach())
+
+
 def check(make, step, steps: int = STEPS, max_fallbacks: int = 3, min_share: float = 0.8) -> Run:
     eager = run(make, step, False, steps)
     terra = run(make, step, True, steps)
@@ -103,10 +111,7 @@ def test_transformer_block_with_sdpa_and_dropout(masked: bool, optimizer: str):
 
     def step(model, opt, i, log):
         loss = model(TOKENS[i % 4], PAD_MASK if masked else None).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
 
     r = check(make, step)
     assert r.stats.runner["backward_replayed"] >= STEPS - 2 * WARMUP, r.stats.runner
@@ -134,10 +139,7 @@ def test_adam_step_counters_are_read_without_waiting_for_the_graph():
     def step(model, opt, i, log):
         x = TOKENS[i % 4, :, 0, :8]
         loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
 
     r = check(make, step)
     runner = r.stats.runner
@@ -171,10 +173,7 @@ def test_validation_pass_and_greedy_generation_are_their_own_program():
         ids = data[i % 4]
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
         if i % 8 == 7:
             model.eval()
             with torch.no_grad():
@@ -204,10 +203,7 @@ def test_tiny_gpt2_trains_bitwise_in_coexecution():
     def step(model, opt, i, log):
         ids = batches[i % 4]
         loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
 
     r = check(make, step)
     assert r.stats.runner["backward_replayed"] >= STEPS - 2 * WARMUP, r.stats.runner
@@ -233,10 +229,7 @@ def test_optimizer_implementations_co_execute_bitwise(kind: str, impl: str):
     def step(model, opt, i, log):
         x = TOKENS[i % 4, :, 0, :8]
         loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
 
     check(make, step)
 
@@ -258,10 +251,7 @@ def test_tiny_bert_with_three_sequence_lengths():
     def step(model, opt, i, log):
         ids, labels = batches[i % 3]
         loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
 
     r = check(make, step)
     assert r.stats.runner["backward_replayed"] >= STEPS - 3 * WARMUP, r.stats.runner
@@ -279,10 +269,7 @@ def test_foreach_adam_step_counters_are_followed_through_the_foreach_op():
 
     def step(model, opt, i, log):
         loss = model(TOKENS[i % 4, :, 0, :8]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        log.append(loss.detach())
+        optimize(opt, loss, log)
         if i % 7 == 0:
             log.append([s["step"].item() for s in opt.state.values()])
 
