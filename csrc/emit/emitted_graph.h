@@ -12,6 +12,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "trace/hash.h"
 #include "trace/node.h"
 
 namespace torch::jit {
@@ -80,17 +81,41 @@ struct EmittedGraph {
   // torch.Generator arguments, baked in as constants: (attribute, the generator's impl). The graph
   // draws from that object in program order (RNG ops are gated), so Python must pass it again.
   std::unordered_map<trace::NodeId, std::vector<std::pair<uint32_t, const void*>>> node_generators;
-  // Inputs (key(node, input)) that several producers reach in the TraceGraph, with the producers
-  // the graph reads there per copy (the trip indices of the enclosing unrolled loops): one, or
-  // several of which it reads whichever ran last; an empty list: any of the node's producers.
-  // Python's input must be the latest output of the latest-run one among them.
-  std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>>
-      checked_reads;
+  // Inputs (key(node, input)) where the node-level check (the producer is one the TraceGraph
+  // saw there) does not prove that Python reads the value the graph reads: several producers
+  // reach the input, or the producers lie in unrolled loops, whose copies the graph tells apart.
+  // Per consumer copy (copy_hash of the trip indices of its unrolled loops), the producer copies
+  // the graph's variable holds (value_flow.h); it reads whichever of them ran last. Python's
+  // input must come from one of them and be the latest-run one.
+  struct ReadProducer {
+    trace::NodeId node;
+    uint32_t output;
+    bool any;       // every copy of the node
+    uint64_t copy;  // else: copy_hash of the one copy
+  };
+  std::unordered_map<uint64_t, std::unordered_map<uint64_t, std::vector<ReadProducer>>> checked_reads;
+  // Per node: emitted inside an unrolled loop, so its executions are told apart by copy.
+  std::vector<uint8_t> node_copied;
+  // Names a copy (value_flow.h: trip indices of the unrolled loops around a node, outermost
+  // first) in one word; 0 for a node outside unrolled loops.
+  static uint64_t copy_hash(const std::vector<uint32_t>& copy) {
+    if (copy.empty()) return 0;
+    uint64_t h = 0x7e11a5eedULL;
+    for (const uint32_t trip : copy) h = trace::hash_combine(h, trip);
+    return h == 0 ? 1 : h;
+  }
   // Selected reads (value_flow.h): per key(node, input) and copy, the case-select site the graph
-  // waits at and the producers it picks among; Python posts the index of the one it read.
+  // waits at and the producer copies it picks among; Python posts the index of the one it read.
   struct Selection {
     int64_t site;
-    std::vector<std::pair<trace::NodeId, uint32_t>> producers;
+    std::vector<ReadProducer> producers;  // none is `any`
+    // The index of (node, output) from copy `copy` among the producers; -1 if it is not one.
+    int64_t index_of(trace::NodeId node, uint32_t output, uint64_t copy) const {
+      for (size_t i = 0; i < producers.size(); ++i)
+        if (producers[i].node == node && producers[i].output == output && producers[i].copy == copy)
+          return static_cast<int64_t>(i);
+      return -1;
+    }
   };
   std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, Selection>> selected_reads;
   // Co-execution graphs: nodes the emitter could not express, with the reason. The graph stops

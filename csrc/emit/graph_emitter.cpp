@@ -169,10 +169,19 @@ class Emitter {
                          [](const trace::Source& s) { return s.kind == trace::Source::Kind::kNode; }) > 1;
   }
 
+  // The variable is assigned by copies of nodes in unrolled loops: which copy Python read matters.
+  bool reads_copies(VarId var) const {
+    const auto& ps = flow_.producers(var);
+    return std::any_of(ps.begin(), ps.end(), [&](const Producer& p) { return flow_.copied(p.node); });
+  }
+
   // A selected read: the producer Python read, by its index among the choices.
   Value* select(NodeId n, uint32_t slot, const std::vector<VarId>& choices) {
     EmittedGraph::Selection sel{kSelectSiteBase + static_cast<int64_t>(out_.num_selections++), {}};
-    for (const VarId c : choices) sel.producers.push_back(flow_.producers(c).at(0));
+    for (const VarId c : choices) {
+      const Producer& p = flow_.producers(c).at(0);
+      sel.producers.push_back({p.node, p.output, false, EmittedGraph::copy_hash(p.copy)});
+    }
     Value* which = channel_op(case_select_, {int_constant(sel.site)}, c10::IntType::get());
     Node* resume = g_.insertPoint();  // the chain's Ifs nest in else-blocks; carry on after it
     out_.selected_reads[EmittedGraph::key(n, slot)][copy_] = std::move(sel);
@@ -206,8 +215,12 @@ class Emitter {
     const VarId var = flow_.read(n, slot, copy_);
     // (Offline replays post the choice from the trace: scripted_channel.h.)
     const std::vector<VarId>* choices = var != kNoVar ? flow_.choices(n, slot, copy_) : nullptr;
-    if (coexec_ && var != kNoVar && several_producers(n, slot) && choices == nullptr)
-      out_.checked_reads[EmittedGraph::key(n, slot)][copy_] = flow_.producers(var);
+    if (coexec_ && var != kNoVar && choices == nullptr && (several_producers(n, slot) || reads_copies(var))) {
+      std::vector<EmittedGraph::ReadProducer>& check = out_.checked_reads[EmittedGraph::key(n, slot)][EmittedGraph::copy_hash(copy_)];
+      check.clear();
+      for (const Producer& p : flow_.producers(var))
+        check.push_back({p.node, p.output, p.any, EmittedGraph::copy_hash(p.copy)});
+    }
     if (flow_.fed(n, slot)) {
       const bool optional = optional_feed(n, slot);
       const uint64_t key = EmittedGraph::key(n, slot);
@@ -313,7 +326,9 @@ class Emitter {
       out_.node_publishes.resize(n + 1, 0);
       out_.node_gated.resize(n + 1, 0);
       out_.node_in_loop.resize(n + 1, 0);
+      out_.node_copied.resize(n + 1, 0);
     }
+    out_.node_copied[n] = !copy_.empty();
     out_.node_gated[n] = gated;
     out_.node_in_loop[n] = loop_depth_ > 0;
     if (outputs.empty()) {

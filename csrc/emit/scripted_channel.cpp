@@ -84,11 +84,9 @@ std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProg
       const trace::ValueRef& in = t.ops[r].inputs[s];
       int64_t j = 0;  // a feed: the graph takes the fed tensor whatever it picks
       if (in.kind == trace::ValueRef::Kind::kOutput) {
-        const auto& ps = choice->second.producers;
-        const auto it = std::find(ps.begin(), ps.end(), std::make_pair(nodes[in.index], in.output));
-        if (it == ps.end())
+        j = choice->second.index_of(nodes[in.index], in.output, EmittedGraph::copy_hash(copies[in.index]));
+        if (j < 0)
           throw std::logic_error("terra_torch: record " + std::to_string(r) + " reads a producer its selected read lacks");
-        j = it - ps.begin();
       }
       out.emplace_back(choice->second.site, j);
     }

@@ -76,16 +76,20 @@ std::vector<std::vector<uint32_t>> trip_indices(const trace::Trace& trace) {
 ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& program,
                      std::span<const trace::Trace> traces, std::span<const std::vector<trace::NodeId>> record_nodes) {
   fed_.resize(graph.num_nodes());
+  copied_.resize(graph.num_nodes(), 0);
+  for (trace::NodeId n = 0; n < graph.num_nodes(); ++n)
+    for (const trace::NodeId loop : enclosing_loops(graph, n)) copied_[n] |= unrolled(program, loop);
   std::unordered_map<Key, std::vector<Item>, KeyHash> seen;
   std::vector<std::vector<CopyIndex>> copies(traces.size());
   for (size_t t = 0; t < traces.size(); ++t) copies[t] = observe(graph, program, traces[t], record_nodes[t], seen);
-  CopyIndex copy;
-  add_fallbacks(graph, program, program.root, copy, seen);
   for (auto& [key, items] : seen) {
     std::sort(items.begin(), items.end());
     items.erase(std::unique(items.begin(), items.end()), items.end());
-    reads_.emplace(key, intern(std::move(items)));
   }
+  widen(traces, record_nodes, copies, seen);
+  CopyIndex copy;
+  add_fallbacks(graph, program, program.root, copy, seen);
+  for (auto& [key, items] : seen) reads_.emplace(key, intern(std::move(items)));
   std::unordered_map<Key, bool, KeyHash> selected;
   for (size_t t = 0; t < traces.size(); ++t) find_selected(traces[t], record_nodes[t], copies[t], selected);
   for (const auto& [key, yes] : selected) {
@@ -95,14 +99,8 @@ ValueFlow::ValueFlow(const trace::TraceGraph& graph, const trace::Program& progr
     for (const Item& i : items) vars.push_back(intern({i}));
   }
   producers_.resize(num_vars_);
-  for (const auto& [items, var] : sets_) {
-    bool any = false;
-    for (const Item& i : items) {
-      any |= i.any;
-      producers_[var].emplace_back(i.node, i.output);
-    }
-    if (any) producers_[var].clear();
-  }
+  for (const auto& [items, var] : sets_)
+    for (const Item& i : items) producers_[var].push_back(Producer{i.node, i.output, i.any, i.copy});
   set_index_.clear();
   sets_.clear();
 }
@@ -155,6 +153,48 @@ std::vector<CopyIndex> ValueFlow::observe(const trace::TraceGraph& graph, const 
   return copies;
 }
 
+void ValueFlow::widen(std::span<const trace::Trace> traces, std::span<const std::vector<trace::NodeId>> record_nodes,
+                      const std::vector<std::vector<CopyIndex>>& copies,
+                      std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) const {
+  std::unordered_map<Key, bool, KeyHash> allowed;  // false once a trace read an older execution
+  for (auto& [key, items] : seen) {
+    const bool names_copies = std::any_of(items.begin(), items.end(), [](const Item& i) { return !i.copy.empty(); });
+    if (names_copies) allowed.emplace(key, true);
+  }
+  if (allowed.empty()) return;
+  for (size_t t = 0; t < traces.size(); ++t) {
+    const trace::Trace& trace = traces[t];
+    const std::vector<trace::NodeId>& nodes = record_nodes[t];
+    std::unordered_map<uint64_t, uint32_t> latest;  // (node, output) -> the record that last ran any copy of it
+    for (size_t r = 0; r < trace.ops.size(); ++r) {
+      const auto& inputs = trace.ops[r].inputs;
+      for (uint32_t s = 0; s < inputs.size(); ++s) {
+        const trace::ValueRef& in = inputs[s];
+        if (in.kind == trace::ValueRef::Kind::kFeed) continue;
+        const auto ok = allowed.find(Key{nodes[r], s, copies[t][r]});
+        if (ok == allowed.end() || !ok->second) continue;
+        int64_t last = -1;
+        for (const Item& i : seen.at(ok->first)) {
+          const auto it = latest.find(pair_key(i.node, i.output));
+          if (it != latest.end()) last = std::max<int64_t>(last, it->second);
+        }
+        ok->second = last == static_cast<int64_t>(in.index);
+      }
+      for (uint32_t k = 0; k < trace.ops[r].num_outputs; ++k) latest[pair_key(nodes[r], k)] = static_cast<uint32_t>(r);
+    }
+  }
+  for (const auto& [key, ok] : allowed) {
+    if (!ok) continue;
+    std::vector<Item>& items = seen.at(key);
+    for (Item& i : items) {
+      i.any = true;
+      i.copy.clear();
+    }
+    std::sort(items.begin(), items.end());
+    items.erase(std::unique(items.begin(), items.end()), items.end());
+  }
+}
+
 void ValueFlow::find_selected(const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
                               const std::vector<CopyIndex>& copies,
                               std::unordered_map<Key, bool, KeyHash>& selected) const {
@@ -170,12 +210,8 @@ void ValueFlow::find_selected(const trace::Trace& trace, const std::vector<trace
       if (mark->second) continue;
       const std::vector<Item>& items = sets_.at(reads_.at(key)).first;
       if (items.size() < 2) continue;
-      // Python names the producer it read by node and output: copies of one node cannot be told apart.
-      bool distinct = true;
-      for (size_t i = 1; i < items.size() && distinct; ++i)
-        distinct = !(items[i].node == items[i - 1].node && items[i].output == items[i - 1].output) && !items[i].any &&
-                   !items[i - 1].any;
-      if (!distinct) continue;
+      // Python names the producer it read by node, output and copy: an "any copy" item names none.
+      if (std::any_of(items.begin(), items.end(), [](const Item& i) { return i.any; })) continue;
       const Item read{nodes[in.index], in.output, copies[in.index], false};
       int64_t best = -1;
       const Item* last = nullptr;

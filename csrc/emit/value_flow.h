@@ -27,6 +27,14 @@
 // trace shows that, the read is *selected*: each producer also assigns a variable of its own,
 // and the graph picks among them by a decision Python posts (it knows the producer it read).
 //
+// A set that names copies of nodes inside unrolled loops is *widened* to every copy of those
+// nodes when each trace's read there was the latest execution of any of their copies: a
+// variable the program reassigns in a loop (`x = x + layer(x)` with layers skipped at random)
+// then reads the right copy on paths whose combination of copies no trace showed. Where a trace
+// contradicts that (backward ops reading the activations of one particular layer), the set keeps
+// its exact copies. Either way the PythonRunner checks at run time that Python read the copy the
+// graph reads (EmittedGraph::checked_reads): an accepted path never reads another copy silently.
+//
 // Copies no trace executed (the program allows paths the TraceGraph does not) fall back to the
 // node-level producer set of the TraceGraph with "any copy". Slots that saw external tensors are
 // fed from Python: always (only feeds seen) or when Python says so (feed_or_none).
@@ -50,6 +58,14 @@ inline constexpr VarId kNoVar = UINT32_MAX;
 // Trip indices of the unrolled loops around a copy, outermost first.
 using CopyIndex = std::vector<uint32_t>;
 
+// A producer copy a variable can hold: output `output` of copy `copy` of `node`, or of any copy.
+struct Producer {
+  trace::NodeId node;
+  uint32_t output;
+  bool any;
+  CopyIndex copy;  // empty when `any`
+};
+
 class ValueFlow {
  public:
   // `traces[i]` was merged into `graph` with `record_nodes[i]`; `program` = assign_cases(graph).
@@ -63,8 +79,10 @@ class ValueFlow {
   // Appends the variables copy `copy` of `node` assigns with output `output`.
   void assigned_by(trace::NodeId node, uint32_t output, const CopyIndex& copy, std::vector<VarId>& out) const;
   uint32_t num_vars() const { return num_vars_; }
-  // The producers (node, output) that can assign `var`; empty when one of them is "any copy".
-  const std::vector<std::pair<trace::NodeId, uint32_t>>& producers(VarId var) const { return producers_.at(var); }
+  // The producer copies that assign `var`.
+  const std::vector<Producer>& producers(VarId var) const { return producers_.at(var); }
+  // Whether `node` lies in an unrolled loop (its executions are told apart by copy).
+  bool copied(trace::NodeId node) const { return node < copied_.size() && copied_[node] != 0; }
   // A selected read: the variable of each producer it may read, in the order of
   // producers(choice); nullptr for reads of "whichever ran last".
   const std::vector<VarId>* choices(trace::NodeId node, uint32_t slot, const CopyIndex& copy) const {
@@ -100,6 +118,10 @@ class ValueFlow {
                                  const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
                                  std::unordered_map<Key, std::vector<Item>, KeyHash>& seen);
   // Marks the reads of `trace` whose producer is not the last-run member of their set.
+  // Widens the read sets that every trace's reads allow to (see the class comment).
+  void widen(std::span<const trace::Trace> traces, std::span<const std::vector<trace::NodeId>> record_nodes,
+             const std::vector<std::vector<CopyIndex>>& copies,
+             std::unordered_map<Key, std::vector<Item>, KeyHash>& seen) const;
   void find_selected(const trace::Trace& trace, const std::vector<trace::NodeId>& nodes,
                      const std::vector<CopyIndex>& copies, std::unordered_map<Key, bool, KeyHash>& selected) const;
   void note_stale(const trace::Program& program, const trace::Trace& trace, uint32_t producer, uint32_t consumer,
@@ -116,7 +138,8 @@ class ValueFlow {
   std::vector<std::pair<std::vector<Item>, VarId>> sets_;  // indexed by VarId, while building
   std::unordered_map<uint64_t, std::vector<uint32_t>> set_index_;    // set hash -> sets_ entries
   uint32_t num_vars_ = 0;
-  std::vector<std::vector<std::pair<trace::NodeId, uint32_t>>> producers_;  // per variable
+  std::vector<std::vector<Producer>> producers_;  // per variable
+  std::vector<uint8_t> copied_;                  // per node
   std::vector<uint64_t> stale_loops_;
 };
 

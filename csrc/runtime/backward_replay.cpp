@@ -391,8 +391,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
         }
       }
     }
-    if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
-    record_nodes_[index] = step.node;
+    note_run(index, step.node, copy_here(step.node), mrec.outputs.size());
 
     // The leaves' gradients among the outputs become values of the region (as run_placeholder
     // makes them), and the output sequence is claimed as outputs() claims it: only they are kept.

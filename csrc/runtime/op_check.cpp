@@ -35,7 +35,10 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   ++stats_.ops;
   known_.settle();  // (the previous op has returned through autograd)
   if (diverged_) return Verdict::kDiverged;  // the graph failed under this iteration (recover_from_failure)
-  if (record_nodes_.size() <= static_cast<size_t>(index)) record_nodes_.resize(index + 1, trace::kNoNode);
+  if (record_nodes_.size() <= static_cast<size_t>(index)) {  // (outputs() looks every record up)
+    record_nodes_.resize(index + 1, trace::kNoNode);
+    record_copies_.resize(index + 1, 0);
+  }
   const trace::OpKey key = program_.key_and_frames(region.trace(), rec, num_outputs, loops_);
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(detail::op_name(rec) + " is not where the traced iterations had it", index);
@@ -49,6 +52,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   }
   path_ = trace::hash_combine(path_, node);
   const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
+  const uint64_t here = copy_here(node);
 
   // The data flow must be the graph's too; checked for every input before anything is posted.
   plan_.clear();
@@ -88,15 +92,15 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
         return diverge(detail::op_name(rec) + " reads a value produced by another op than in the traced iterations", index);
       if (selection != nullptr) {
         // The graph picks the producer Python read.
-        const auto& ps = selection->producers;
-        const auto it = std::find(ps.begin(), ps.end(), std::make_pair(producer, static_cast<uint32_t>(in.value.output)));
-        if (it == ps.end())
+        const int64_t j = selection->index_of(producer, static_cast<uint32_t>(in.value.output), record_copies_.at(in.value.record));
+        if (j < 0)
           return diverge(detail::op_name(rec) + " reads a value produced by another op than the ones the graph picks among there",
                          index);
-        plan_.push_back(decision(selection->site, it - ps.begin()));
+        plan_.push_back(decision(selection->site, j));
       } else if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
-        const auto producers = candidates(checked->second, gnode.inputs.at(s));
-        if (producers.empty() || !latest_is(producers, detail::argument_tensor(args, in)))
+        const auto per_copy = checked->second.find(here);  // (a copy the emitter never saw: no read passes)
+        if (per_copy == checked->second.end() ||
+            !reads_latest(per_copy->second, in.value.record, static_cast<uint32_t>(in.value.output)))
           return diverge(detail::op_name(rec) + " reads another value than the one the graph reads there", index);
       }
       if (in_loop(producer) || in_loop(node)) {
@@ -155,7 +159,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   if (recording_) record_step(region, key, node, host || needs_data);
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
-  record_nodes_[index] = node;
+  note_run(index, node, here, num_outputs);
   if (host || needs_data) return Verdict::kRunReal;
   ++stats_.placeholders;
   return Verdict::kPlaceholder;
@@ -197,38 +201,48 @@ std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, c
   return msg.str();
 }
 
-// Where the graph reads one of several producers it reads the one that ran last (value_flow.h);
-// Python's input must be the latest output of the latest-run one among `producers` (candidates()).
-bool PythonRunner::latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers,
-                             const at::Tensor& t) const {
-  int64_t best_seq = -1;
-  const std::pair<const void*, int64_t>* best = nullptr;
-  for (const auto& [node, output] : producers) {
-    const int64_t tag = emit::EmittedGraph::publish_tag(node, output);
-    const Latest* latest = latest_.find(tag);
-    if (latest == nullptr || latest->seq <= best_seq) continue;
-    best_seq = latest->seq;
-    best = &latest->where;
-  }
-  if (best == nullptr || !t.defined() || !t.has_storage()) return best == nullptr;
-  return *best == std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
-                                 t.storage_offset());
+namespace {
+// last_run_'s key for one copy of (node, output); publish tags stay below 2^40.
+uint64_t copy_key(int64_t tag, uint64_t copy) { return trace::hash_combine(static_cast<uint64_t>(tag), copy) | (uint64_t(1) << 63); }
+}  // namespace
+
+uint64_t PythonRunner::copy_here(trace::NodeId node) {
+  if (node >= emitted_.node_copied.size() || emitted_.node_copied[node] == 0) return 0;
+  cursor_.copy_index(copy_);
+  return emit::EmittedGraph::copy_hash(copy_);
 }
 
-// The producers the graph reads for the copy the cursor stands in; every producer of the node's
-// input where that copy's set holds "any copy of" a producer; none (so no tensor passes) for a
-// copy the emitter never saw.
-std::vector<std::pair<trace::NodeId, uint32_t>> PythonRunner::candidates(
-    const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
-    const std::vector<trace::Source>& sources) {
-  cursor_.copy_index(copy_);
-  auto it = per_copy.find(copy_);
-  if (it == per_copy.end()) return {};
-  if (!it->second.empty()) return it->second;
-  std::vector<std::pair<trace::NodeId, uint32_t>> all;
-  for (const trace::Source& src : sources)
-    if (src.kind == trace::Source::Kind::kNode) all.emplace_back(src.id, src.output);
-  return all;
+void PythonRunner::note_run(int32_t index, trace::NodeId node, uint64_t copy, size_t num_outputs) {
+  if (record_nodes_.size() <= static_cast<size_t>(index)) {
+    record_nodes_.resize(index + 1, trace::kNoNode);
+    record_copies_.resize(index + 1, 0);
+  }
+  record_nodes_[index] = node;
+  record_copies_[index] = copy;
+  for (uint32_t k = 0; k < num_outputs; ++k) {
+    const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
+    *last_run_.try_emplace(static_cast<uint64_t>(tag)).first = index;
+    if (copy != 0) *last_run_.try_emplace(copy_key(tag, copy)).first = index;
+  }
+}
+
+// The graph's variable at a checked read holds whichever of its producer copies ran last
+// (value_flow.h); Python's input passes if it is that one. Records, not tensors, are compared:
+// an in-place op's record is the producer of what it wrote, as in the TraceGraph.
+bool PythonRunner::reads_latest(const std::vector<emit::EmittedGraph::ReadProducer>& producers, int32_t record,
+                                uint32_t output) const {
+  if (record < 0 || static_cast<size_t>(record) >= record_nodes_.size()) return false;
+  const trace::NodeId node = record_nodes_[record];
+  const uint64_t copy = record_copies_[record];
+  bool member = false;
+  int32_t last = -1;
+  for (const auto& p : producers) {
+    const int64_t tag = emit::EmittedGraph::publish_tag(p.node, p.output);
+    member |= p.node == node && p.output == output && (p.any || p.copy == copy);
+    const int32_t* ran = last_run_.find(p.any || p.copy == 0 ? static_cast<uint64_t>(tag) : copy_key(tag, p.copy));
+    if (ran != nullptr) last = std::max(last, *ran);
+  }
+  return member && last == record;
 }
 
 const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot) {

@@ -86,6 +86,8 @@ void PythonRunner::begin_iteration() {
   path_ = 0;
   recording_.reset();
   record_nodes_.clear();
+  record_copies_.clear();
+  last_run_.clear();
   latest_.clear();
   diverged_ = false;
   at_unsupported_ = false;
@@ -201,7 +203,6 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     if (t.defined() && t.has_storage()) {
       Latest& latest = *latest_.try_emplace(tag).first;
       latest.where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
-      latest.seq = ++sequence_;
     }
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());

@@ -173,10 +173,13 @@ class PythonRunner final : public capture::CoExecHook {
   bool in_loop(trace::NodeId n) const;
   // The selection the graph makes at input `slot` of `node` for the cursor's copy, if any.
   const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot);
-  bool latest_is(const std::vector<std::pair<trace::NodeId, uint32_t>>& producers, const at::Tensor& t) const;
-  std::vector<std::pair<trace::NodeId, uint32_t>> candidates(
-      const std::map<std::vector<uint32_t>, std::vector<std::pair<trace::NodeId, uint32_t>>>& per_copy,
-      const std::vector<trace::Source>& sources);
+  // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
+  uint64_t copy_here(trace::NodeId node);
+  // Record `index` ran `node` in copy `copy`: its outputs are now the latest of that node and copy.
+  void note_run(int32_t index, trace::NodeId node, uint64_t copy, size_t num_outputs);
+  // A checked read: output `output` of record `record` is among `producers` and the latest-run of them.
+  bool reads_latest(const std::vector<emit::EmittedGraph::ReadProducer>& producers, int32_t record,
+                    uint32_t output) const;
   void drain_outcomes(bool block);
   // backward_replay.cpp
   BackwardPath per_op(std::string why);
@@ -199,20 +202,21 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<int64_t> bits_;            // scratch: one scalar's encoding
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
+  std::vector<uint64_t> record_copies_;      // this iteration: record index -> its copy (copy_here)
+  // This iteration: the record that last ran each (node, output) (key: its publish tag) and, in
+  // unrolled loops, each copy of it (key: copy_key), for the checked reads (reads_latest).
+  common::FlatMap<uint64_t, int32_t> last_run_;
   // Open addressing: nearly every output of an iteration inserts a link, and the next iteration
   // drops the dead ones; a node-based map paid a malloc and a free for each.
   common::FlatMap<const c10::TensorImpl*, Link> links_;
   // This iteration: the storage (and offset) of the latest output of each (node, output), for
   // the loop check in validate(). Storage, not TensorImpl: autograd unpacks saved outputs into
-  // fresh TensorImpls over the same storage.
-  // One open-addressing table for both facts, emptied (not freed) per iteration: every output
-  // of every op writes it, and two node-based maps cost two mallocs per output.
+  // fresh TensorImpls over the same storage. Open addressing, emptied (not freed) per
+  // iteration: every output of every op writes it.
   struct Latest {
     std::pair<const void*, int64_t> where{nullptr, 0};
-    int64_t seq = 0;  // when the (node, output) last ran
   };
   common::FlatMap<int64_t, Latest> latest_;
-  int64_t sequence_ = 0;
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;
   bool diverged_ = false;

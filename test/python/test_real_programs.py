@@ -277,3 +277,100 @@ def test_foreach_adam_step_counters_are_followed_through_the_foreach_op():
     runner = r.stats.runner
     assert runner["python_reads"] <= 4 * 3, runner  # 4 parameters: only the first reads of a graph wait
     assert runner["known_reads"] >= 2 * 4 * (STEPS - 2 * WARMUP), runner
+
+
+class LayerDrop(nn.Module):
+    """Residual layers skipped at random while training (LayerDrop, as in BART's encoder), or by
+    a given mask. Each layer is an nn.Sequential, a loop of its own inside the loop over layers:
+    both are unrolled, and which copy of a layer's ops ran decides what later ops read."""
+
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(n)])
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if keep is None and torch.rand([]) < 0.5:
+                continue
+            if keep is not None and keep[i] < 0.5:
+                continue
+            x = x + layer(x)
+        return self.out(x)
+
+
+LD_X = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+LD_Y = torch.randint(0, 2, (4,), generator=torch.Generator().manual_seed(8))
+
+
+def layerdrop_make():
+    model = LayerDrop()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_layerdrop_random_layer_skipping():
+    """`if torch.rand([]) < p: continue` per layer: 8 ways through the layers, drawn at random.
+    The graph reads `x` as whichever layer's output ran last, so paths whose combination of
+    skipped layers no traced iteration had co-execute too (before: the graph read a value its
+    path never assigned and the iteration failed)."""
+
+    def step(model, opt, i, log):
+        optimize(opt, F.cross_entropy(model(LD_X), LD_Y), log)
+
+    check(make=layerdrop_make, step=step, steps=80, max_fallbacks=8, min_share=0.75)
+
+
+def test_layerdrop_unseen_combination_of_layer_copies_co_executes():
+    """After the traces ran layers {1}, {1, 3}, {2, 3} and {1, 2}, the combination {2} runs only
+    copies of layer ops some trace ran, in a combination none had: it co-executes, bitwise (the
+    graph reads `x` as whichever layer's output ran last). Other new combinations may fall back
+    once where their backward takes a new order."""
+    seen = ["Lss", "LsL", "sLL"] * 4
+    patterns = seen + ["LLs"] * 3 + ["sLs"] * 3 + ["LLL"] * 3 + ["sss"] * 3 + seen
+    masks = [torch.tensor([1.0 if c == "L" else 0.0 for c in p]) for p in patterns]
+
+    def step(model, opt, i, log):
+        optimize(opt, F.cross_entropy(model(LD_X, masks[i]), LD_Y), log)
+
+    r = check(make=layerdrop_make, step=step, steps=len(patterns), max_fallbacks=6, min_share=0.6)
+    assert not any(15 <= it < 18 for it, _, _ in r.reasons), r.reasons
+
+
+class FirstKept(nn.Module):
+    """Reads the output of the first layer that ran, whichever that was: not "the latest layer
+    output", so the graph's variable there holds particular copies of the layer's op."""
+
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, layer in enumerate(self.layers):
+            if keep[i] < 0.5:
+                continue
+            x = torch.tanh(layer(x))
+            outs.append(x)
+        return self.out(x) + outs[0].mean()
+
+
+def test_read_of_a_layer_copy_the_graph_does_not_hold_falls_back():
+    """Traces {1, 2} and {3}: the read of outs[0] sees copy 1 (copy 2 ran later) and copy 3, and
+    in both the one it read is the latest-run of those two. {1, 3} passes the node-level checks,
+    but there copy 3 runs after copy 1: the graph would read copy 3. The PythonRunner checks the
+    copy Python read (EmittedGraph::checked_reads) and falls back there, so the numbers stay
+    eager's (before: wrong numbers without a word)."""
+    patterns = ["LLs", "ssL"] * 4 + ["LsL"] * 3 + ["LLs", "ssL"] * 3
+    masks = [torch.tensor([1.0 if c == "L" else 0.0 for c in p]) for p in patterns]
+
+    def make():
+        model = FirstKept()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, i, log):
+        optimize(opt, F.cross_entropy(model(LD_X, masks[i]), LD_Y), log)
+
+    r = check(make=make, step=step, steps=len(patterns), max_fallbacks=4, min_share=0.6)
+    assert any(it == 8 and "reads another value than the one the graph reads there" in why
+               for it, why, _ in r.reasons), r.reasons
