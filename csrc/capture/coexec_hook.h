@@ -53,7 +53,9 @@ class CoExecHook {
 
   // Values Python knows itself (runtime/known_values.h). `out`: `args` with every tensor replaced
   // by its known value; false if some tensor has none. A read (`read`: the op needs data) whose
-  // arguments are all known runs on them instead of waiting for the graph.
+  // arguments are all known runs on them instead of waiting for the graph. Asked before
+  // validate() posts the op: a fresh tensor is read from its memory, which the graph writes once
+  // the op's gate is posted.
   virtual bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
                                torch::jit::Stack& out) = 0;
   // After an op answered with placeholders whose arguments were all known (`known`): its outputs'

@@ -160,7 +160,9 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
 
 bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
                                    torch::jit::Stack& out) {
-  if (!known_values_enabled_ || diverged_ || known_.empty() || !known_.substitute(args, out)) return false;
+  if (!known_values_enabled_ || diverged_ || known_.empty()) return false;
+  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
+  if (!known_.substitute(args, out)) return false;
   if (read) {
     ++stats_.known_reads;
     return true;

@@ -374,3 +374,27 @@ def test_read_of_a_layer_copy_the_graph_does_not_hold_falls_back():
     r = check(make=make, step=step, steps=len(patterns), max_fallbacks=4, min_share=0.6)
     assert any(it == 8 and "reads another value than the one the graph reads there" in why
                for it, why, _ in r.reasons), r.reasons
+
+
+def test_tiny_bart_with_layerdrop():
+    """BART's encoder and decoder skip each layer with probability `layerdrop` while training
+    (`if torch.rand([]) < self.layerdrop: continue`). This program used to hang in backward() at
+    its fourth iteration; then it failed with "Expected Tensor but got Uninitialized"; under
+    load it read AdamW's step counters one step ahead (a fresh tensor's memory was copied after
+    the graph could write it). It must train bitwise."""
+
+    def make():
+        config = transformers.BartConfig(encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64,
+                                         decoder_ffn_dim=64, vocab_size=97, max_position_embeddings=32,
+                                         encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+        model = transformers.BartForConditionalGeneration(config)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    batches = torch.randint(0, 97, (4, 2, 12), generator=torch.Generator().manual_seed(9))
+
+    def step(model, opt, i, log):
+        ids = batches[i % 4]
+        optimize(opt, model(input_ids=ids, labels=ids).loss, log)
+
+    check(make, step, max_fallbacks=12, min_share=0.7)
