@@ -412,6 +412,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
                          ? capture::make_placeholder(mrec.outputs[k], mrec.op)
                          : grads_before[j];
       region.set_produced(t, index, static_cast<int32_t>(k));
+      note_latest(tag, t);
       if (memo.outcomes[j].kind == LeafOutcome::Kind::kNew) new_grads[j] = t;
       if (step.publishes == 0) continue;
       const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
@@ -434,8 +435,13 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       known_.forget(grads_before[j]);  // the graph writes it: no known or fresh value
     }
   }
-  for (const BackwardMemo::Alias& a : memo.external_aliases)
-    region.set_produced(externals.at(a.external), static_cast<int32_t>(memo.records_before) + a.record, a.output);
+  for (const BackwardMemo::Alias& a : memo.external_aliases) {
+    // (A parameter that equals a view the backward made, t(t(weight)) in a linear layer's
+    // backward, is that output from now on, as when the engine ran: its latest one, too.)
+    const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
+    region.set_produced(externals.at(a.external), index, a.output);
+    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), externals.at(a.external));
+  }
   if (!call.keep_graph) release_saved(r);
 }
 

@@ -202,10 +202,7 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     // size records its own memo instead of replaying one made for other shapes.
     path_ = detail::hash_sizes(path_, t);
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    if (t.defined() && t.has_storage()) {
-      Latest& latest = *latest_.try_emplace(tag).first;
-      latest.where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(), t.storage_offset()};
-    }
+    note_latest(tag, t);
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -215,6 +212,12 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     link->impl.emplace(t.getIntrusivePtr());
     link->index = i;
   }
+}
+
+void PythonRunner::note_latest(int64_t tag, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return;
+  latest_.try_emplace(tag).first->where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                                           t.storage_offset()};
 }
 
 bool PythonRunner::check_first(const capture::OpRecord& rec) {

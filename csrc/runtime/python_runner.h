@@ -175,6 +175,8 @@ class PythonRunner final : public capture::CoExecHook {
   const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot);
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
+  // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().
+  void note_latest(int64_t tag, const at::Tensor& t);
   // Record `index` ran `node` in copy `copy`: its outputs are now the latest of that node and copy.
   void note_run(int32_t index, trace::NodeId node, uint64_t copy, size_t num_outputs);
   // A checked read: output `output` of record `record` is among `producers` and the latest-run of them.

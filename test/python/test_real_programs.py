@@ -189,6 +189,42 @@ def test_validation_pass_and_greedy_generation_are_their_own_program():
     assert r.stats.evaluation is not None and sum(r.stats.evaluation.iterations.values()) == 5 * (64 // 8)
 
 
+def test_tied_weights_keep_co_executing_after_a_replayed_backward():
+    """An embedding tied to the output layer (GPT-2, BART): the linear layer's backward makes
+    t(t(weight)), a view equal to the weight, so from then on the weight is that op's output.
+    The optimizer's loop then writes it in place; a replayed backward must leave the weight's
+    latest output as the engine's run did (before: every replayed iteration fell back there).
+    Every third step skips a layer, so the optimizer's loop over parameters with gradients has
+    two trip counts and is a prim::Loop, where reads are checked against the latest output."""
+    vocab = 11
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, 16)
+            self.mid = nn.Linear(16, 16)
+            self.head = nn.Linear(16, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids, skip_mid: bool):
+            h = self.emb(ids)
+            return self.head(h if skip_mid else torch.tanh(self.mid(h)))
+
+    data = torch.randint(0, vocab, (4, 2, 6), generator=torch.Generator().manual_seed(10))
+
+    def make():
+        model = Tied()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(model, opt, i, log):
+        ids = data[i % 4]
+        optimize(opt, F.cross_entropy(model(ids, i % 3 == 0).reshape(-1, vocab), ids.reshape(-1)), log)
+
+    r = check(make, step, max_fallbacks=2)
+    assert r.stats.runner["backward_replayed"] >= STEPS - 2 * WARMUP, r.stats.runner
+    assert not any(it >= 2 * WARMUP for it, _, _ in r.reasons), r.reasons
+
+
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 
 
