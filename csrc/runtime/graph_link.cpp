@@ -57,6 +57,13 @@ void PythonRunner::post(Post p) {
 }
 
 void PythonRunner::flush() {
+  if (drive_ == Drive::kCoExec) {
+    for (const Post& p : pending_) {
+      if (p.kind == Post::Kind::kDecision || !p.tensor.defined()) continue;
+      if (kept_feeds_.empty() || kept_feeds_.back().first != started_) kept_feeds_.emplace_back(started_, std::vector<at::Tensor>());
+      kept_feeds_.back().second.push_back(p.tensor);
+    }
+  }
   try {
     channel_->post_batch(pending_);
   } catch (const ChannelCancelled&) {
@@ -95,16 +102,19 @@ void PythonRunner::wait_for_graph(int64_t count) {
 void PythonRunner::stop_graph(const std::string& why) {
   pending_.clear();
   channel_->cancel(why);
-  GilRelease no_gil;
-  while (waited_ < started_) {
-    try {
-      runner_->wait_iteration(std::chrono::nanoseconds::max());
-    } catch (...) {
-      // a failed iteration, or one the cancel stopped
+  {
+    GilRelease no_gil;
+    while (waited_ < started_) {
+      try {
+        runner_->wait_iteration(std::chrono::nanoseconds::max());
+      } catch (...) {
+        // a failed iteration, or one the cancel stopped
+      }
+      ++waited_;
     }
-    ++waited_;
+    runner_->reset();
   }
-  runner_->reset();
+  release_kept_feeds();
 }
 
 void PythonRunner::recover_from_failure(const std::string& error) {
@@ -184,6 +194,10 @@ void PythonRunner::wait_published(int64_t count) {
       check_signals();
     }
   }
+}
+
+void PythonRunner::release_kept_feeds() {
+  while (!kept_feeds_.empty() && kept_feeds_.front().first <= waited_) kept_feeds_.pop_front();
 }
 
 void PythonRunner::drain_outcomes(bool block) {

@@ -77,6 +77,7 @@ void PythonRunner::begin_iteration() {
     // wait or a GIL hand-over (a failure the count stops at surfaces at the next wait).
     if (channel_->cancelled()) drain_outcomes(true);
     else waited_ += runner_->take_finished();
+    release_kept_feeds();
   } catch (const std::exception& e) {
     // The graph failed in an op Python did not check (an index out of range): what it had
     // not computed is lost. Start clean so that the program can go on after the error.

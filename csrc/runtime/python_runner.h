@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <cstdint>
 #include <memory>
@@ -201,6 +202,14 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<trace::LoopFrame> loops_;  // scratch
   std::vector<uint32_t> copy_;           // scratch: the cursor's copy index
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
+  // The tensors of the feeds sent in each iteration (its number: started_), held here until the
+  // graph has finished that iteration. A tensor with a Python object whose last C++ reference
+  // other than the object's goes on the worker makes the worker take the GIL there
+  // (c10::intrusive_ptr calls decref_pyobject when the count falls to 1), a wake-up and a wait on
+  // both threads per fed tensor; released here, that happens on the Python thread, which holds it.
+  std::deque<std::pair<int64_t, std::vector<at::Tensor>>> kept_feeds_;
+  // Drops the kept feeds of the iterations the graph has finished (the GIL must be held).
+  void release_kept_feeds();
   std::vector<Post> plan_;               // scratch: one op's feeds, checked before any is posted
   std::vector<int64_t> bits_;            // scratch: one scalar's encoding
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
