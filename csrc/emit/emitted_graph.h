@@ -6,7 +6,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -117,7 +116,7 @@ struct EmittedGraph {
       return -1;
     }
   };
-  std::unordered_map<uint64_t, std::map<std::vector<uint32_t>, Selection>> selected_reads;
+  std::unordered_map<uint64_t, std::unordered_map<uint64_t, Selection>> selected_reads;  // copy: copy_hash
   // Co-execution graphs: nodes the emitter could not express, with the reason. The graph stops
   // at a gate Python never opens there; the PythonRunner diverges when the cursor reaches one,
   // so only the paths through such a node run eagerly (from it on), never the whole program.

@@ -184,7 +184,7 @@ class Emitter {
     }
     Value* which = channel_op(case_select_, {int_constant(sel.site)}, c10::IntType::get());
     Node* resume = g_.insertPoint();  // the chain's Ifs nest in else-blocks; carry on after it
-    out_.selected_reads[EmittedGraph::key(n, slot)][copy_] = std::move(sel);
+    out_.selected_reads[EmittedGraph::key(n, slot)][EmittedGraph::copy_hash(copy_)] = std::move(sel);
     auto value_of = [&](VarId c) { return env_[c] != nullptr ? env_[c] : uninitialized(); };
     // if which == 0: choice 0 else (if which == 1: choice 1 else ...)
     Value* picked = value_of(choices.back());

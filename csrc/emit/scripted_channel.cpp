@@ -79,7 +79,7 @@ std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProg
     for (uint32_t s = 0; s < t.ops[r].inputs.size(); ++s) {
       const auto sel = emitted.selected_reads.find(EmittedGraph::key(nodes[r], s));
       if (sel == emitted.selected_reads.end()) continue;
-      const auto choice = sel->second.find(copies[r]);
+      const auto choice = sel->second.find(EmittedGraph::copy_hash(copies[r]));
       if (choice == sel->second.end()) continue;
       const trace::ValueRef& in = t.ops[r].inputs[s];
       int64_t j = 0;  // a feed: the graph takes the fed tensor whatever it picks

@@ -351,6 +351,9 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
   // loop or before a feed of a tensor whose link would still be the old one; then the links.
   std::vector<std::pair<int64_t, at::Tensor>> expects;
   std::vector<size_t> kept;  // those of them linked to a tensor Python holds
+  // Of those, the gradients that existed before (a new placeholder is no external, so no step
+  // feeds it): only they can be fed while their new link is still unclaimed.
+  std::vector<const c10::TensorImpl*> renewed;
   auto claim = [&] {
     const int64_t first = values_->expect_batch(expects);
     for (const size_t e : kept) {
@@ -362,11 +365,10 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
     }
     expects.clear();
     kept.clear();
+    renewed.clear();
   };
   auto relinks = [&](const at::Tensor& t) {
-    return std::any_of(kept.begin(), kept.end(), [&](size_t e) {
-      return expects[e].second.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
-    });
+    return std::find(renewed.begin(), renewed.end(), t.unsafeGetTensorImpl()) != renewed.end();
   };
   for (size_t i = 0; i < memo.steps.size(); ++i) {
     const capture::OpRecord& mrec = memo.records[i];
@@ -439,6 +441,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       if (step.publishes == 0) continue;
       const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
       if (keep) kept.push_back(expects.size());
+      if (keep && memo.outcomes[j].kind != LeafOutcome::Kind::kNew) renewed.push_back(t.unsafeGetTensorImpl());
       expects.emplace_back(tag, keep ? t : at::Tensor());
     }
   }

@@ -4,6 +4,7 @@
 // tensor whose Python object C++ kept alive takes the GIL): it moves tensors out of the queues
 // and lets them die after unlocking. Python holds the GIL while posting, which is fine because
 // the graph thread holds mu_ only for queue operations.
+#include "common/clock.h"
 #include "runtime/channels.h"
 #include "runtime/value_table.h"
 
@@ -18,17 +19,11 @@ namespace terra::runtime {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using common::Clock;
+using common::deadline_after;
+using common::ns_since;
 
-int64_t ns_since(Clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-}
 
-// A deadline that does not overflow for "wait forever" (nanoseconds::max()).
-Clock::time_point deadline_after(std::chrono::nanoseconds max_wait) {
-  constexpr auto kCap = std::chrono::hours(24 * 365);
-  return Clock::now() + std::min<std::chrono::nanoseconds>(max_wait, kCap);
-}
 
 }  // namespace
 

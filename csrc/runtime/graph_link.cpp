@@ -1,6 +1,7 @@
 // The PythonRunner's link to the GraphRunner: posts (batched), waits for published values,
 // stopping the graph (divergence, failure), draining finished iterations and recovering from a
 // graph that failed.
+#include "common/clock.h"
 #include "runtime/python_runner.h"
 
 #include <Python.h>
@@ -28,11 +29,9 @@ namespace terra::runtime {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using common::Clock;
+using common::ns_since;
 
-int64_t ns_since(Clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-}
 
 // Ctrl-C while Python waits for the graph: raise KeyboardInterrupt in the user's program.
 void check_signals() {

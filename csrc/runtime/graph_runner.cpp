@@ -1,4 +1,5 @@
 // GraphRunner: the worker thread, its iteration queue and the outcomes Python waits for.
+#include "common/clock.h"
 #include "runtime/graph_runner.h"
 
 #include <ATen/Parallel.h>
@@ -23,16 +24,11 @@ namespace terra::runtime {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using common::Clock;
+using common::deadline_after;
+using common::ns_since;
 
-int64_t ns_since(Clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-}
 
-Clock::time_point deadline_after(std::chrono::nanoseconds max_wait) {
-  constexpr auto kCap = std::chrono::hours(24 * 365);  // "forever" without overflow
-  return Clock::now() + std::min<std::chrono::nanoseconds>(max_wait, kCap);
-}
 
 std::string iteration_name(int64_t it) { return "graph iteration " + std::to_string(it); }
 

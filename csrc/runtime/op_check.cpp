@@ -63,7 +63,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       if (emit::is_none_input(region.trace(), in)) continue;
       const uint32_t s = slot++;
       const int64_t fslot = emitted_.feed_slot(node, s);
-      const emit::EmittedGraph::Selection* selection = selection_at(node, s);
+      const emit::EmittedGraph::Selection* selection = selection_at(node, s, here);
       if (in.value.is_external()) {
         if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
         const at::Tensor& t = region.external_tensors().at(in.value.external);
@@ -107,7 +107,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
         // a read of its latest execution is one the graph can serve.
         const at::Tensor t = detail::argument_tensor(args, in);
-        const Latest* latest = latest_.find(emit::EmittedGraph::publish_tag(producer, in.value.output));
+        const Latest* latest = latest_.find(static_cast<uint64_t>(emit::EmittedGraph::publish_tag(producer, in.value.output)));
         if (!t.defined() || !t.has_storage() || latest == nullptr ||
             latest->where != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
                                          t.storage_offset()))
@@ -221,8 +221,8 @@ void PythonRunner::note_run(int32_t index, trace::NodeId node, uint64_t copy, si
   record_copies_[index] = copy;
   for (uint32_t k = 0; k < num_outputs; ++k) {
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    *last_run_.try_emplace(static_cast<uint64_t>(tag)).first = index;
-    if (copy != 0) *last_run_.try_emplace(copy_key(tag, copy)).first = index;
+    latest_.try_emplace(static_cast<uint64_t>(tag)).first->record = index;
+    if (copy != 0) latest_.try_emplace(copy_key(tag, copy)).first->record = index;
   }
 }
 
@@ -239,18 +239,17 @@ bool PythonRunner::reads_latest(const std::vector<emit::EmittedGraph::ReadProduc
   for (const auto& p : producers) {
     const int64_t tag = emit::EmittedGraph::publish_tag(p.node, p.output);
     member |= p.node == node && p.output == output && (p.any || p.copy == copy);
-    const int32_t* ran = last_run_.find(p.any || p.copy == 0 ? static_cast<uint64_t>(tag) : copy_key(tag, p.copy));
-    if (ran != nullptr) last = std::max(last, *ran);
+    const Latest* ran = latest_.find(p.any || p.copy == 0 ? static_cast<uint64_t>(tag) : copy_key(tag, p.copy));
+    if (ran != nullptr) last = std::max(last, ran->record);
   }
   return member && last == record;
 }
 
-const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot) {
+const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot, uint64_t copy) const {
   if (emitted_.selected_reads.empty()) return nullptr;
   const auto it = emitted_.selected_reads.find(emit::EmittedGraph::key(node, slot));
   if (it == emitted_.selected_reads.end()) return nullptr;
-  cursor_.copy_index(copy_);
-  const auto c = it->second.find(copy_);
+  const auto c = it->second.find(copy);
   return c == it->second.end() ? nullptr : &c->second;
 }
 

@@ -88,7 +88,6 @@ void PythonRunner::begin_iteration() {
   recording_.reset();
   record_nodes_.clear();
   record_copies_.clear();
-  last_run_.clear();
   latest_.clear();
   diverged_ = false;
   at_unsupported_ = false;
@@ -217,7 +216,7 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
 
 void PythonRunner::note_latest(int64_t tag, const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return;
-  latest_.try_emplace(tag).first->where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+  latest_.try_emplace(static_cast<uint64_t>(tag)).first->where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
                                            t.storage_offset()};
 }
 

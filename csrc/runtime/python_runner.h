@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <deque>
-#include <map>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -173,7 +172,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
   // The selection the graph makes at input `slot` of `node` for the cursor's copy, if any.
-  const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot);
+  const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot, uint64_t copy) const;
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
   // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().
@@ -214,20 +213,20 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<int64_t> bits_;            // scratch: one scalar's encoding
   std::vector<trace::NodeId> record_nodes_;  // this iteration: record index -> node
   std::vector<uint64_t> record_copies_;      // this iteration: record index -> its copy (copy_here)
-  // This iteration: the record that last ran each (node, output) (key: its publish tag) and, in
-  // unrolled loops, each copy of it (key: copy_key), for the checked reads (reads_latest).
-  common::FlatMap<uint64_t, int32_t> last_run_;
   // Open addressing: nearly every output of an iteration inserts a link, and the next iteration
   // drops the dead ones; a node-based map paid a malloc and a free for each.
   common::FlatMap<const c10::TensorImpl*, Link> links_;
-  // This iteration: the storage (and offset) of the latest output of each (node, output), for
-  // the loop check in validate(). Storage, not TensorImpl: autograd unpacks saved outputs into
-  // fresh TensorImpls over the same storage. Open addressing, emptied (not freed) per
-  // iteration: every output of every op writes it.
+  // This iteration, per (node, output) (key: its publish tag) and, in unrolled loops, per copy
+  // of it (key: copy_key, record only): the record that last ran it, for the checked reads
+  // (reads_latest), and the storage (and offset) of its latest output, for the loop check in
+  // validate(). Storage, not TensorImpl: autograd unpacks saved outputs into fresh TensorImpls
+  // over the same storage. Open addressing, emptied (not freed) per iteration: every output of
+  // every op writes it.
   struct Latest {
     std::pair<const void*, int64_t> where{nullptr, 0};
+    int32_t record = -1;
   };
-  common::FlatMap<int64_t, Latest> latest_;
+  common::FlatMap<uint64_t, Latest> latest_;
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   bool in_iteration_ = false;
   bool diverged_ = false;
