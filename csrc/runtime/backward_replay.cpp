@@ -347,29 +347,6 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
   std::vector<at::Tensor> new_grads(r.leaves.size());
 
   const auto& externals = region.external_tensors();
-  // The output sequence is claimed under one lock (the worker publishes under it), after the
-  // loop or before a feed of a tensor whose link would still be the old one; then the links.
-  std::vector<std::pair<int64_t, at::Tensor>> expects;
-  std::vector<size_t> kept;  // those of them linked to a tensor Python holds
-  // Of those, the gradients that existed before (a new placeholder is no external, so no step
-  // feeds it): only they can be fed while their new link is still unclaimed.
-  std::vector<const c10::TensorImpl*> renewed;
-  auto claim = [&] {
-    const int64_t first = values_->expect_batch(expects);
-    for (const size_t e : kept) {
-      const at::Tensor& t = expects[e].second;
-      auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
-      if (!inserted && !link->expired()) values_->retire(link->index);
-      link->impl.emplace(t.getIntrusivePtr());
-      link->index = first + static_cast<int64_t>(e);
-    }
-    expects.clear();
-    kept.clear();
-    renewed.clear();
-  };
-  auto relinks = [&](const at::Tensor& t) {
-    return std::find(renewed.begin(), renewed.end(), t.unsafeGetTensorImpl()) != renewed.end();
-  };
   for (size_t i = 0; i < memo.steps.size(); ++i) {
     const capture::OpRecord& mrec = memo.records[i];
     const ReplayStep& step = memo.steps[i];
@@ -402,7 +379,6 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
           break;
         case ReplayPost::Kind::kFeed: {
           const at::Tensor& t = externals.at(p.external);
-          if (relinks(t)) claim();
           if (const auto linked = linked_index(t)) {
             values_->pin(*linked);
             post(deferred_feed(p.key, *linked, t));
@@ -420,7 +396,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
     // The leaves' gradients among the outputs become values of the region (as run_placeholder
     // makes them), and the output sequence is claimed as outputs() claims it: only they are kept.
     if (step.publishes > 0 && mrec.outputs.empty()) {
-      expects.emplace_back(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
+      values_->expect(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
       continue;
     }
     for (uint32_t k = 0; k < mrec.outputs.size(); ++k) {
@@ -428,7 +404,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       const int64_t id = (int64_t(i) << 16) | k;
       auto leaf = std::find_if(leaf_outputs.begin(), leaf_outputs.end(), [&](const auto& e) { return e.first == id; });
       if (leaf == leaf_outputs.end()) {
-        if (step.publishes > 0) expects.emplace_back(tag, at::Tensor());
+        if (step.publishes > 0) values_->expect(tag, at::Tensor());
         continue;
       }
       const size_t j = leaf->second;
@@ -440,12 +416,14 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       if (memo.outcomes[j].kind == LeafOutcome::Kind::kNew) new_grads[j] = t;
       if (step.publishes == 0) continue;
       const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
-      if (keep) kept.push_back(expects.size());
-      if (keep && memo.outcomes[j].kind != LeafOutcome::Kind::kNew) renewed.push_back(t.unsafeGetTensorImpl());
-      expects.emplace_back(tag, keep ? t : at::Tensor());
+      const int64_t v = values_->expect(tag, keep ? t : at::Tensor());
+      if (!keep) continue;
+      auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
+      if (!inserted && !link->expired()) values_->retire(link->index);
+      link->impl.emplace(t.getIntrusivePtr());
+      link->index = v;
     }
   }
-  claim();
   // What the engine leaves behind: the leaves' gradients, versions of those written in place,
   // and (without retain_graph) a graph whose saved tensors are gone.
   for (size_t j = 0; j < memo.outcomes.size(); ++j) {

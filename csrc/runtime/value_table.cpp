@@ -45,20 +45,8 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
 }
 
 int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
-  at::Tensor dropped;  // dies after the lock is released
+  at::Tensor dropped;
   std::lock_guard lock(mu_);
-  return expect_locked(tag, holder, dropped);
-}
-
-int64_t ValueTable::expect_batch(c10::ArrayRef<std::pair<int64_t, at::Tensor>> values) {
-  std::vector<at::Tensor> dropped(values.size());  // die after the lock is released
-  std::lock_guard lock(mu_);
-  const int64_t first = expected_;
-  for (size_t i = 0; i < values.size(); ++i) expect_locked(values[i].first, values[i].second, dropped[i]);
-  return first;
-}
-
-int64_t ValueTable::expect_locked(int64_t tag, const at::Tensor& holder, at::Tensor& dropped) {
   const int64_t index = expected_++;
   Entry& e = *entries_.try_emplace(index).first;
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);

@@ -40,10 +40,6 @@ class ValueTable {
   // Claims the next index for a value with `tag`; `holder` (the placeholder, or undefined when
   // Python keeps nothing) decides how long the value stays. Returns the index.
   int64_t expect(int64_t tag, const at::Tensor& holder);
-  // expect() for each (tag, holder) in order, under one lock (a replayed backward claims its
-  // whole output sequence at once: the lock is the one the worker publishes under). Returns the
-  // first index; the others follow it.
-  int64_t expect_batch(c10::ArrayRef<std::pair<int64_t, at::Tensor>> values);
   // Python is done with `index` (a placeholder that has moved on to a newer index). A value a
   // deferred feed still waits for stays until the graph has taken it.
   void retire(int64_t index);
@@ -95,7 +91,6 @@ class ValueTable {
     if (e.storage) return e.storage->expired();
     return !e.holder || e.holder->expired();
   }
-  int64_t expect_locked(int64_t tag, const at::Tensor& holder, at::Tensor& dropped);
   [[noreturn]] static void mismatch(int64_t index, int64_t expected_tag, int64_t published_tag);
 
   mutable std::mutex mu_;
