@@ -202,7 +202,7 @@ std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, c
 }
 
 namespace {
-// last_run_'s key for one copy of (node, output); publish tags stay below 2^40.
+// latest_'s key for one copy of (node, output); publish tags stay below 2^40.
 uint64_t copy_key(int64_t tag, uint64_t copy) { return trace::hash_combine(static_cast<uint64_t>(tag), copy) | (uint64_t(1) << 63); }
 }  // namespace
 
