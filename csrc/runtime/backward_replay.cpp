@@ -443,6 +443,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
     note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), externals.at(a.external));
   }
   if (!call.keep_graph) release_saved(r);
+  flush();
 }
 
 }  // namespace terra::runtime

@@ -5,6 +5,7 @@
 // and lets them die after unlocking. Python holds the GIL while posting, which is fine because
 // the graph thread holds mu_ only for queue operations.
 #include "common/clock.h"
+#include "common/spin.h"
 #include "runtime/channels.h"
 #include "runtime/value_table.h"
 
@@ -27,6 +28,25 @@ using common::ns_since;
 
 }  // namespace
 
+template <class Ready>
+void ConcurrentChannel::wait_for_post(std::unique_lock<std::mutex>& lock, Ready&& ready) {
+  const auto budget = common::spin_budget();
+  if (budget.count() > 0) {
+    const auto deadline = Clock::now() + budget;
+    while (!cancelled_ && !ready()) {
+      const uint64_t seen = post_seq_.load(std::memory_order_acquire);
+      lock.unlock();
+      const auto left = deadline - Clock::now();
+      const bool posted = left.count() > 0 &&
+                          common::spin_until([&] { return post_seq_.load(std::memory_order_acquire) != seen; },
+                                             std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+      lock.lock();
+      if (!posted) break;
+    }
+  }
+  graph_cv_.wait(lock, [&] { return cancelled_ || ready(); });
+}
+
 void ConcurrentChannel::throw_cancelled(const char* side) const {
   throw ChannelCancelled(std::string("terra_torch: channel cancelled (") + reason_ + ") while the " + side +
                          " was waiting; reset the runner before the next iteration");
@@ -45,7 +65,7 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
                      : site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
                                             : GraphWait{GraphWait::Kind::kDecision, site};
     if (values_) values_->notify();
-    graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
+    wait_for_post(lock, [&] { return !q.empty(); });
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
@@ -79,7 +99,7 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
     const auto t0 = Clock::now();
     graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
     if (values_) values_->notify();
-    graph_cv_.wait(lock, [&] { return cancelled_ || !q.empty(); });
+    wait_for_post(lock, [&] { return !q.empty(); });
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
@@ -152,6 +172,7 @@ void ConcurrentChannel::post_batch(std::vector<Post>& posts) {
           break;
       }
     }
+    post_seq_.fetch_add(1, std::memory_order_release);
   }
   posts.clear();
   graph_cv_.notify_all();
@@ -186,6 +207,7 @@ void ConcurrentChannel::post_decision(int64_t site, int64_t value) {
     if (cancelled_) throw_cancelled("Python side");
     decisions_[site].push_back(value);
     if (mark) gate_marks_[site].push_back(mark);
+    post_seq_.fetch_add(1, std::memory_order_release);
   }
   graph_cv_.notify_all();
 }
@@ -200,6 +222,7 @@ void ConcurrentChannel::post_feed(int64_t slot, at::Tensor value) {
     std::lock_guard lock(mu_);
     if (cancelled_) throw_cancelled("Python side");
     feeds_[slot].push_back(Fed{std::move(value), -1, mark});
+    post_seq_.fetch_add(1, std::memory_order_release);
   }
   graph_cv_.notify_all();
 }
@@ -229,6 +252,7 @@ void ConcurrentChannel::cancel(const std::string& reason) {
     std::lock_guard lock(mu_);
     if (!cancelled_) reason_ = reason;
     cancelled_ = true;
+    post_seq_.fetch_add(1, std::memory_order_release);
   }
   graph_cv_.notify_all();
   python_cv_.notify_all();

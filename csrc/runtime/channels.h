@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -127,6 +128,10 @@ class ConcurrentChannel final : public emit::ChannelSource {
 
  private:
   int64_t take_decision(int64_t site);
+  // The graph thread found its queue empty (mu_ held via `lock`): spins for the budget
+  // (common/spin.h) while nothing is posted, then sleeps on graph_cv_ until `ready` or a cancel.
+  template <class Ready>
+  void wait_for_post(std::unique_lock<std::mutex>& lock, Ready&& ready);
   [[noreturn]] void throw_cancelled(const char* side) const;  // mu_ held
 
   mutable std::mutex mu_;
@@ -149,6 +154,9 @@ class ConcurrentChannel final : public emit::ChannelSource {
   std::shared_ptr<ValueTable> values_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> fetched_;
   bool cancelled_ = false;
+  // Counts posts and cancels (stored under mu_), so that the graph thread can spin on it
+  // without the lock.
+  std::atomic<uint64_t> post_seq_{0};
   std::string reason_;
   std::optional<GraphWait> graph_waiting_;
   ChannelStats stats_;

@@ -4,6 +4,8 @@
 // GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
 #include "runtime/value_table.h"
 
+#include "common/spin.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -23,6 +25,7 @@ void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published
 
 void ValueTable::publish(int64_t tag, at::Tensor value) {
   at::Tensor dropped;  // dies after the lock is released
+  bool wake = false;
   {
     std::lock_guard lock(mu_);
     const int64_t index = published_++;
@@ -40,8 +43,12 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
       e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
       e.value = std::move(value);
     }
+    // Only the publish that reaches the count Python waits for wakes it: a wake per value made
+    // the waiting thread and the worker trade the mutex (and two context switches) per op.
+    wake = waiting_for_ > 0 && published_ >= waiting_for_;
+    published_seen_.store(published_, std::memory_order_release);
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
 }
 
 int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
@@ -119,6 +126,10 @@ int64_t ValueTable::published() const {
   return published_;
 }
 
+bool ValueTable::spin_published(int64_t count, std::chrono::nanoseconds budget) const {
+  return common::spin_until([&] { return published_seen_.load(std::memory_order_acquire) >= count; }, budget);
+}
+
 std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
   std::lock_guard lock(mu_);
   const Entry* e = entries_.find(index);
@@ -133,7 +144,11 @@ int64_t ValueTable::expected() const {
 
 bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
   std::unique_lock lock(mu_);
-  return cv_.wait_for(lock, slice, [&] { return published_ >= count; });
+  if (published_ >= count) return true;
+  waiting_for_ = count;
+  const bool reached = cv_.wait_for(lock, slice, [&] { return published_ >= count; });
+  waiting_for_ = 0;
+  return reached;
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
@@ -187,7 +202,9 @@ void ValueTable::clear() {
   std::swap(dropped, entries_);
   held_.clear();
   published_ = 0;
+  published_seen_.store(0, std::memory_order_release);
   expected_ = 0;
+  waiting_for_ = 0;
 }
 
 size_t ValueTable::size() const {

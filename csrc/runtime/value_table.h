@@ -20,6 +20,7 @@
 
 #include "common/flat_map.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -49,10 +50,13 @@ class ValueTable {
   // The graph's value at `index`, if it has been published and kept.
   std::optional<at::Tensor> value(int64_t index) const;
   int64_t published() const;
+  // Spins (common/spin.h) until published() >= count, without the lock. True when reached.
+  bool spin_published(int64_t count, std::chrono::nanoseconds budget) const;
   // The tag Python expects at `index`, if it has claimed that index.
   std::optional<int64_t> tag_at(int64_t index) const;
   int64_t expected() const;
-  // Waits until published() >= count or `slice` has passed. True when reached.
+  // Waits until published() >= count or `slice` has passed. True when reached. One thread
+  // waits at a time (the Python side); publish() wakes it only when the count is reached.
   bool wait_published(int64_t count, std::chrono::nanoseconds slice);
   // Wakes waiters so that they re-check other conditions (the graph blocked or failed).
   void notify() { cv_.notify_all(); }
@@ -102,6 +106,8 @@ class ValueTable {
   std::vector<int64_t> held_;
   int64_t published_ = 0;
   int64_t expected_ = 0;
+  int64_t waiting_for_ = 0;  // the count wait_published() waits for; 0: nobody waits
+  std::atomic<int64_t> published_seen_{0};  // published_, stored after each publish, for spinners
 };
 
 }  // namespace terra::runtime
