@@ -34,6 +34,13 @@ using common::Clock;
 using common::ns_since;
 
 
+// Adds the time until the end of its scope to the Python side's stall counter.
+struct StallAccount {
+  int64_t& stall_ns;
+  Clock::time_point t0 = Clock::now();
+  ~StallAccount() { stall_ns += ns_since(t0); }
+};
+
 // Ctrl-C while Python waits for the graph: raise KeyboardInterrupt in the user's program.
 void check_signals() {
   if (!Py_IsInitialized()) return;
@@ -156,12 +163,8 @@ std::string PythonRunner::describe_failure(const std::string& error) {
 }
 
 void PythonRunner::wait_published(int64_t count) {
-  const auto t0 = Clock::now();
-  struct Account {
-    PythonRunnerStats& s;
-    Clock::time_point t0;
-    ~Account() { s.stall_ns += ns_since(t0); }
-  } account{stats_, t0};
+  const StallAccount account{stats_.stall_ns};
+  const auto t0 = account.t0;
   GilRelease no_gil;
   // A value the graph is about to publish: seen in ~1 us by spinning, ~25 us later by sleeping.
   if (values_->spin_published(count, common::spin_budget())) return;
@@ -200,6 +203,21 @@ void PythonRunner::wait_published(int64_t count) {
 
 void PythonRunner::release_kept_feeds() {
   while (!kept_feeds_.empty() && kept_feeds_.front().first <= waited_) kept_feeds_.pop_front();
+}
+
+void PythonRunner::wait_until_in_flight_below(int64_t n) {
+  if (started_ - waited_ < n) return;
+  const StallAccount account{stats_.stall_ns};
+  GilRelease no_gil;
+  while (started_ - waited_ >= n) {
+    try {
+      runner_->wait_iteration(std::chrono::nanoseconds::max());
+    } catch (...) {
+      ++waited_;
+      throw;
+    }
+    ++waited_;
+  }
 }
 
 void PythonRunner::drain_outcomes(bool block) {

@@ -75,8 +75,12 @@ void PythonRunner::begin_iteration() {
     // An earlier graph iteration's error surfaces here (a failed graph cancels the channel at
     // once; its iteration ends soon after). Otherwise the finished ones are counted without a
     // wait or a GIL hand-over (a failure the count stops at surfaces at the next wait).
-    if (channel_->cancelled()) drain_outcomes(true);
-    else waited_ += runner_->take_finished();
+    if (channel_->cancelled()) {
+      drain_outcomes(true);
+    } else {
+      waited_ += runner_->take_finished();
+      if (drive_ == Drive::kCoExec) wait_until_in_flight_below(kMaxIterationsAhead);
+    }
     release_kept_feeds();
   } catch (const std::exception& e) {
     // The graph failed in an op Python did not check (an index out of range): what it had

@@ -48,6 +48,13 @@ struct PythonRunnerStats {
 // ends): the graph trails Python by at most a batch, and is woken once per batch, not per op.
 inline constexpr size_t kPostBatch = 32;
 
+// Co-execution lets Python start an iteration while at most this many earlier ones are still
+// running on the graph. Without a bound a graph-bound program (the graph slower than Python:
+// large kernels, a GPU) ran hundreds of iterations ahead, and every one kept its batch and its
+// placeholders' values alive until the graph reached it: memory grew with the run's length. Two
+// is enough for overlap: the graph always has the next iteration's posts when it finishes one.
+inline constexpr int64_t kMaxIterationsAhead = 2;
+
 // How the graph is driven: co-execution posts as Python goes, so the graph runs alongside;
 // lazy keeps the posts until Python needs a value and then waits for the graph (serialized,
 // the LazyTensor-like baseline).
@@ -183,6 +190,9 @@ class PythonRunner final : public capture::CoExecHook {
   bool reads_latest(const std::vector<emit::EmittedGraph::ReadProducer>& producers, int32_t record,
                     uint32_t output) const;
   void drain_outcomes(bool block);
+  // Waits (GIL released, counted as a stall) until fewer than `n` started iterations are still
+  // running on the graph; an iteration's failure is rethrown.
+  void wait_until_in_flight_below(int64_t n);
   // backward_replay.cpp
   BackwardPath per_op(std::string why);
   void not_replayable(std::string why);

@@ -835,3 +835,34 @@ def test_two_wrapped_models_taking_turns():
     (a, pa), (b, pb) = train(False), train(True)
     assert a == b
     assert all(torch.equal(u, v) for u, v in zip(pa, pb))
+
+
+def test_python_runs_at_most_two_iterations_ahead_of_a_slower_graph():
+    """A graph-bound program (large matmuls, a tiny Python side): Python may start an iteration
+    only while at most two earlier ones still run on the graph. Unbounded, Python ran the whole
+    loop ahead and every iteration's batch and values stayed alive until the graph got there."""
+    torch.manual_seed(0)
+    layer = nn.Linear(384, 384)
+    model = terra_torch.wrap(nn.Sequential(layer, nn.Tanh(), nn.Linear(384, 384), nn.Tanh()))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(3)
+    ahead = []
+    try:
+        for i in range(40):
+            x = torch.randn(512, 384, generator=g)  # a batch made each step, as a data loader does
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            st = terra_torch.stats(model)
+            # (iterations counts the ones that ended, the open one is not counted yet)
+            if st.iterations["coexec"] > 0:
+                ahead.append(st.iterations["coexec"] + 1 - st.runner["graph_iterations_run"])
+        terra_torch.synchronize()
+        st = terra_torch.stats(model)
+    finally:
+        terra_torch.unwrap(model)
+    assert st.iterations["coexec"] >= 30, st
+    coexec = ahead[-25:]
+    assert max(coexec) <= 3, coexec  # two running or queued, plus the one Python is in
+    assert max(coexec) >= 2, coexec  # (the graph is the slower side here: Python does run ahead)
