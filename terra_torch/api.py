@@ -30,18 +30,22 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"terra_torch: mode must be one of {', '.join(_MODES)}; got {mode!r}")
 
 
-def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False,
+         speed_check: bool = True) -> torch.nn.Module:
     """Co-execute everything between two forward calls of `model` (returns the same module).
 
     mode: "coexec" (graph on a worker thread, overlapping Python), "lazy" (the graph runs only
     when Python needs a value: serialized, the LazyTensor-like baseline), "trace" (record only).
+    speed_check: after 100 co-executed iterations, and again now and then, time co-executed
+    iterations against eager ones and run eagerly while eager is faster (the numbers are the same
+    either way; terra_torch/_speed.py). False: always co-execute.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"terra_torch.wrap expects a torch.nn.Module, got {type(model).__name__}")
     _check_mode(mode)
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
-    program = Program(type(model).__name__, mode, optimize)
+    program = Program(type(model).__name__, mode, optimize, speed_check)
     distributed = _distributed_wrapper(model)
     if distributed is not None:
         # DDP's reducer runs in backward, reads gradients' memory directly and launches
@@ -57,7 +61,7 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
 
     def evaluation_program() -> Program:
         if not evaluation:
-            evaluation.append(Program(f"{type(model).__name__} (eval)", mode, optimize))
+            evaluation.append(Program(f"{type(model).__name__} (eval)", mode, optimize, speed_check))
             program.evaluation = evaluation[0]
         return evaluation[0]
 
@@ -103,13 +107,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool = False) -> Any:
+def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool = False,
+             speed_check: bool = True) -> Any:
     """Decorator: each call of a training-step function starts an iteration (which runs until the
-    next call, so reading its results between calls is part of the iteration)."""
+    next call, so reading its results between calls is part of the iteration). `mode`,
+    `optimize` and `speed_check` as for `wrap`."""
     _check_mode(mode)
 
     def decorate(f: F) -> F:
-        program = Program(getattr(f, "__qualname__", "function"), mode, optimize)
+        program = Program(getattr(f, "__qualname__", "function"), mode, optimize, speed_check)
 
         @functools.wraps(f)
         def step(*args: Any, **kwargs: Any) -> Any:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from terra_torch import _C, _log
+from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 from terra_torch.debug import Location
 from terra_torch.explanation import Fallback, explanation_from
@@ -72,6 +73,9 @@ class Stats:
     runner: dict[str, int] = field(default_factory=dict)  # raw counters of the C++ runners
     # A wrapped model's calls in eval mode or under no_grad, a program of their own (api.wrap).
     evaluation: "Stats | None" = None
+    # The speed check's comparisons (terra_torch/_speed.py): {"iteration", "coexec_ms",
+    # "eager_ms", "chosen"} per check, oldest first.
+    speed_checks: list[dict[str, Any]] = field(default_factory=list)
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
@@ -93,7 +97,7 @@ def _stop_frame() -> FrameType | None:
 class Program:
     """One co-executed program and its phase machine."""
 
-    def __init__(self, name: str, mode: str = "coexec", optimize: bool = False) -> None:
+    def __init__(self, name: str, mode: str = "coexec", optimize: bool = False, speed_check: bool = False) -> None:
         if mode not in ("coexec", "lazy", "trace"):
             raise ValueError(f"terra_torch: mode must be 'coexec', 'lazy' or 'trace', got {mode!r}")
         self.name = name
@@ -119,6 +123,10 @@ class Program:
         self._previous_ops: list[Any] = []
         self._eager_left: int | None = None
         self._backoff = EAGER_BACKOFF
+        # Co-execution or eager, whichever is faster (terra_torch/_speed.py); TERRA_SPEED_CHECK=0
+        # turns it off everywhere.
+        self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
+        self._speed_eager = False  # phase "eager" because eager was measured faster
         _programs.add(self)
 
     # ---- iteration boundaries -----------------------------------------------------------------
@@ -167,6 +175,8 @@ class Program:
                 if self.phase == "eager" and self._t0:
                     self._stats.iterations["eager"] += 1
                     self.iteration += 1
+                    if self._speed_eager and not partial:
+                        self._speed_observe(EAGER, (time.monotonic_ns() - self._t0) / 1e9)
                     self._t0 = 0
                     if self._eager_left is not None:
                         self._eager_left -= 1
@@ -202,9 +212,12 @@ class Program:
                         self._give_up()
                     elif not (unsupported and covered):
                         self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
+                    self._speed.restart()
                 else:
                     self._unconverged = 0
                     self._differences.clear()
+                    if not partial:
+                        self._speed_observe(COEXEC, elapsed)
             else:
                 self._iteration_log.append((self.iteration, phase, self._t0, now, None, None))
                 region.close()
@@ -296,6 +309,36 @@ class Program:
         self._unconverged = 0
         self._differences.clear()
         self._move("eager", what)
+
+    def _speed_observe(self, mode: str, seconds: float) -> None:
+        """Feeds one measured iteration to the speed check and moves to the mode it asks for."""
+        checks = len(self._speed.verdicts)
+        wanted = self._speed.observe(mode, seconds, self.iteration)
+        if len(self._speed.verdicts) > checks:
+            v = self._speed.verdicts[-1]
+            self._stats.speed_checks.append({"iteration": v.iteration, "coexec_ms": v.coexec_s * 1e3,
+                                             "eager_ms": v.eager_s * 1e3, "chosen": v.chosen})
+            why = (f"speed check: co-executed iterations took {v.coexec_s * 1e3:.3f} ms, eager ones "
+                   f"{v.eager_s * 1e3:.3f} ms (medians of {self._speed.window})")
+            if v.chosen == EAGER:
+                first = not any(c["chosen"] == EAGER for c in self._stats.speed_checks[:-1])
+                (logger.warning if first else logger.info)(
+                    "%s: %s; running eagerly (the same numbers), checking again in %d iterations", self.name, why,
+                    self._speed.next_check_in)
+                self._stats.eager_reason = why
+        else:
+            why = f"speed check: measuring {wanted} iterations"
+        if wanted == mode:
+            return
+        if wanted == EAGER:
+            # The graph finishes, every placeholder gets its value and the runner forgets them:
+            # eager iterations write those tensors for real from now on.
+            self._session.synchronize(True)
+            self._speed_eager = True
+            self._move("eager", why)
+        else:
+            self._speed_eager = False
+            self._move("coexec", why)
 
     def run_eagerly(self, reason: str) -> None:
         """Run every iteration eagerly from now on, without capture, for `reason` (no retry)."""

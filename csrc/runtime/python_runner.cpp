@@ -304,6 +304,12 @@ void PythonRunner::synchronize(bool finish) {
   if (finish) {
     TORCH_CHECK(!in_iteration_, "terra_torch internal error: cannot finish the graph inside an iteration");
     drain_outcomes(true);
+    // Every placeholder has its memory now, and eager code may write it before the next
+    // iteration (a program that runs eagerly for a while, a gradient scaled by hand after
+    // terra_torch.synchronize()): the next iteration must feed that memory, not the value the
+    // table kept for the placeholder, so the table and the links go, as after a divergence.
+    values_->clear();
+    links_.clear();
   }
 }
 

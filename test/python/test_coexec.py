@@ -866,3 +866,33 @@ def test_python_runs_at_most_two_iterations_ahead_of_a_slower_graph():
     coexec = ahead[-25:]
     assert max(coexec) <= 3, coexec  # two running or queued, plus the one Python is in
     assert max(coexec) >= 2, coexec  # (the graph is the slower side here: Python does run ahead)
+
+
+def test_eager_writes_after_synchronize_are_what_the_next_iteration_reads():
+    """terra_torch.synchronize() where an iteration ends, then gradients scaled by hand before the
+    next forward (outside any iteration, so eagerly): the next iteration accumulates into the
+    scaled memory. The runner used to keep the gradients linked to the values its table held
+    for them, and fed those: the hand-made scaling was lost."""
+    def make():
+        return mlp(), None, {}
+
+    def step(model, opt, i, log, state):
+        if "opt" not in state:
+            state["opt"] = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = state["opt"]
+        if i % 7 == 3:
+            terra_torch.synchronize()  # (a no-op eagerly)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+        x, y = data(i)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()  # accumulates: zero_grad only every third step
+        if i % 3 == 2:
+            opt.step()
+            opt.zero_grad()
+        log.append(loss.item())
+
+    terra = check(make, step, max_fallbacks=2, steps=60)
+    assert terra.stats.iterations["coexec"] >= 40, terra.stats.iterations

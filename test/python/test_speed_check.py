@@ -1,0 +1,192 @@
+"""The speed check (terra_torch/_speed.py): a program whose co-execution is slower than eager
+runs eagerly, with the same numbers.
+
+The decision logic is tested on given times; the switching between co-execution and eager is
+tested on real training loops with a forced schedule (timing on a shared machine decides
+nothing reliably), bitwise against eager.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+from terra_torch._speed import COEXEC, EAGER, SpeedCheck
+
+
+def feed(check: SpeedCheck, times: dict[str, float], n: int, start: int = 0) -> list[str]:
+    """Runs `n` iterations, each in the mode the check asked for, taking times[mode]."""
+    modes = []
+    mode = check.mode
+    for i in range(start, start + n):
+        modes.append(mode)
+        mode = check.observe(mode, times[mode], i)
+    return modes
+
+
+def test_slower_coexecution_moves_to_eager_after_both_are_measured():
+    check = SpeedCheck(first_after=10, window=4, settle=2, interval=8, max_interval=32)
+    modes = feed(check, {COEXEC: 2.0, EAGER: 1.0}, 60)
+    # 10 co-executed (the last 4 measured), 2 + 4 eager to settle and measure, then eager.
+    assert modes[:10] == [COEXEC] * 10
+    assert modes[10:] == [EAGER] * 50 or COEXEC in modes[10 + 6 + 8:], modes
+    first = check.verdicts[0]
+    assert (first.iteration, first.coexec_s, first.eager_s, first.chosen) == (15, 2.0, 1.0, EAGER)
+    # Each check that confirms eager measures eager, then co-execution again (4 each).
+    assert modes[16:24] == [EAGER] * 8
+    assert [v.chosen for v in check.verdicts] == [EAGER] * len(check.verdicts)
+
+
+def test_the_interval_between_checks_doubles_while_the_decision_stays():
+    check = SpeedCheck(first_after=4, window=2, settle=1, interval=5, max_interval=20)
+    feed(check, {COEXEC: 1.0, EAGER: 1.5}, 300)
+    gaps = [b.iteration - a.iteration for a, b in zip(check.verdicts, check.verdicts[1:])]
+    assert all(v.chosen == COEXEC for v in check.verdicts)
+    # interval, then the measurement (2 of this mode, then 1 + 2 of the other)
+    assert gaps[:3] == [10 + 5, 20 + 5, 20 + 5], gaps
+
+
+def test_coexecution_stays_within_the_margin():
+    check = SpeedCheck(first_after=4, window=3, settle=1, interval=5, margin=0.05)
+    feed(check, {COEXEC: 1.04, EAGER: 1.0}, 40)
+    assert check.verdicts and all(v.chosen == COEXEC for v in check.verdicts)
+    check = SpeedCheck(first_after=4, window=3, settle=1, interval=5, margin=0.05)
+    feed(check, {COEXEC: 1.06, EAGER: 1.0}, 40)
+    assert check.verdicts[0].chosen == EAGER
+
+
+def test_a_measurement_starts_over_when_the_program_falls_back():
+    check = SpeedCheck(first_after=3, window=3, settle=2, interval=5)
+    for i in range(2):
+        check.observe(COEXEC, 1.0, i)
+    check.restart()  # (a divergence: the samples so far are dropped, 2 settle again)
+    for i in range(2, 6):
+        assert check.observe(COEXEC, 1.0, i) == COEXEC
+    assert check.observe(COEXEC, 1.0, 6) == EAGER  # 2 settled + 3 measured
+    # A divergence before the first measurement does not shorten the wait for it.
+    check = SpeedCheck(first_after=10, window=2, settle=1, interval=5)
+    check.observe(COEXEC, 1.0, 0)
+    check.restart()
+    assert [check.observe(COEXEC, 1.0, i) for i in range(1, 10)] == [COEXEC] * 8 + [EAGER]
+
+
+def test_disabled_never_moves():
+    check = SpeedCheck(False, first_after=1, window=1, settle=0)
+    assert feed(check, {COEXEC: 9.0, EAGER: 1.0}, 20) == [COEXEC] * 20
+    with pytest.raises(ValueError):
+        SpeedCheck(first_after=2, window=5)
+
+
+class Forced(SpeedCheck):
+    """Co-executes and runs eagerly in turns: `schedule` is a list of (mode, iterations)."""
+
+    def __init__(self, schedule: list[tuple[str, int]]) -> None:
+        super().__init__(True)
+        self.plan = [m for m, n in schedule for _ in range(n)]
+        self.seen = 0
+
+    def observe(self, mode: str, seconds: float, iteration: int) -> str:
+        self.seen += 1
+        return self.plan[min(self.seen, len(self.plan) - 1)]
+
+
+def train(terra: bool, optimizer: str, steps: int = 90, schedule=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    params = list(model.parameters())
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(params, lr=1e-2),
+           "adamw-accumulate": lambda: torch.optim.AdamW(params, lr=1e-2)}[optimizer]()
+    if terra:
+        model = terra_torch.wrap(model)
+        model._terra_program._speed = Forced(schedule)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(5)]
+    losses, reads = [], []
+    accumulate = optimizer == "adamw-accumulate"
+    for i in range(steps):
+        x, y = data[i % 5]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if not accumulate or i % 3 == 2:
+            opt.step()
+            opt.zero_grad(set_to_none=i % 2 == 0)
+        if i % 4 == 0:
+            reads.append(loss.item())  # a read in some iterations
+        losses.append(loss.detach())
+    stats = None
+    if terra:
+        terra_torch.synchronize()
+        stats = terra_torch.stats(model)
+        terra_torch.unwrap(model)
+    return losses, reads, [p.detach().clone() for p in model.parameters()], opt, stats
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw-accumulate"])
+def test_switching_between_coexecution_and_eager_keeps_eagers_numbers(optimizer):
+    schedule = [(COEXEC, 12), (EAGER, 7), (COEXEC, 15), (EAGER, 1), (COEXEC, 9), (EAGER, 11), (COEXEC, 100)]
+    e_losses, e_reads, e_params, e_opt, _ = train(False, optimizer)
+    t_losses, t_reads, t_params, t_opt, st = train(True, optimizer, schedule=schedule)
+    assert t_reads == e_reads
+    for i, (a, b) in enumerate(zip(e_losses, t_losses)):
+        assert torch.equal(a, b), i
+    for a, b in zip(e_params, t_params):
+        assert torch.equal(a, b)
+    for sa, sb in zip(e_opt.state.values(), t_opt.state.values()):
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert torch.equal(sa[k], sb[k]), k
+    moves = [(old, new) for _, old, new in st.transitions]
+    assert moves.count(("coexec", "eager")) >= 3 and moves.count(("eager", "coexec")) >= 3, st.transitions
+    assert st.iterations["eager"] >= 15 and st.iterations["coexec"] >= 40, st.iterations
+    # (accumulating over three steps with zero_grad alternating set_to_none: one path is met for
+    # the first time after the first graph was built, in every run, with or without switching)
+    assert st.fallbacks <= (1 if optimizer == "adamw-accumulate" else 0), st.fallbacks
+
+
+def test_a_read_heavy_loop_is_measured_and_the_decision_is_reported(caplog):
+    """With real times: whatever it decides, the check runs, is reported in stats, and the
+    numbers stay eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    ref.load_state_dict(model.state_dict())
+    runs = []
+    for m, terra in ((ref, False), (model, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        if terra:
+            m = terra_torch.wrap(m)
+            m._terra_program._speed = SpeedCheck(True, first_after=12, window=6, settle=2, interval=10)
+        g = torch.Generator().manual_seed(2)
+        xs = [torch.randn(4, 8, generator=g) for _ in range(3)]
+        log = []
+        with caplog.at_level(logging.INFO, logger="terra_torch"):
+            for i in range(80):
+                h = m(xs[i % 3])
+                loss = h.square().mean()
+                for _ in range(3):  # a data-dependent inner loop: reads every round
+                    if loss.item() < 0.01:
+                        break
+                    loss = loss * 0.5
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                log.append(loss.item())
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(m)
+            terra_torch.unwrap(m)
+        runs.append((log, [p.detach().clone() for p in m.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert len(st.speed_checks) >= 2, st.speed_checks
+    for c in st.speed_checks:
+        assert c["coexec_ms"] > 0 and c["eager_ms"] > 0 and c["chosen"] in (COEXEC, EAGER)
+    if any(c["chosen"] == EAGER for c in st.speed_checks):
+        assert "speed check" in st.eager_reason
+        assert any("running eagerly (the same numbers)" in r.getMessage() for r in caplog.records)
