@@ -128,7 +128,7 @@ void PythonRunner::recover_from_failure(const std::string& error) {
   stop_graph("the graph failed");
   known_.clear();  // what the graph had not computed did not happen
   values_->clear();
-  links_.clear();
+  forget_links();
   if (in_iteration_ && !diverged_) {
     // Nothing of this iteration can run on the graph any more: the rest of it records real ops.
     diverged_ = true;

@@ -97,7 +97,10 @@ void PythonRunner::begin_iteration() {
   at_unsupported_ = false;
   reason_.clear();
   divergence_record_ = -1;
-  links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
+  if (links_.size() >= 2 * links_pruned_ + 64) {
+    links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
+    links_pruned_ = links_.size();
+  }
   values_->sweep();
   if (known_.wants_pruning()) known_.prune();
   runner_->start_iteration();
@@ -291,7 +294,7 @@ void PythonRunner::stop_and_materialize(const std::string& why) {
   stop_graph(why);
   for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
   values_->clear();
-  links_.clear();
+  forget_links();
   if (!failure.empty())
     throw std::runtime_error("terra_torch: stopping the graph (" + why + ") failed: " + failure);
 }
@@ -309,7 +312,7 @@ void PythonRunner::synchronize(bool finish) {
     // terra_torch.synchronize()): the next iteration must feed that memory, not the value the
     // table kept for the placeholder, so the table and the links go, as after a divergence.
     values_->clear();
-    links_.clear();
+    forget_links();
   }
 }
 
@@ -336,7 +339,7 @@ void PythonRunner::shut_down() {
     runner_->shutdown();
   }
   values_->clear();
-  links_.clear();
+  forget_links();
   stopped_ = true;
 }
 

@@ -226,6 +226,13 @@ class PythonRunner final : public capture::CoExecHook {
   // Open addressing: nearly every output of an iteration inserts a link, and the next iteration
   // drops the dead ones; a node-based map paid a malloc and a free for each.
   common::FlatMap<const c10::TensorImpl*, Link> links_;
+  // links_.size() after its last pruning: expired links are pruned when the table has doubled
+  // since (a walk per iteration cost as much as the placeholders the program keeps for good).
+  size_t links_pruned_ = 0;
+  void forget_links() {
+    links_.clear();
+    links_pruned_ = 0;
+  }
   // This iteration, per (node, output) (key: its publish tag) and, in unrolled loops, per copy
   // of it (key: copy_key, record only): the record that last ran it, for the checked reads
   // (reads_latest), and the storage (and offset) of its latest output, for the loop check in

@@ -23,19 +23,54 @@ void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published
                            " for the graph");
 }
 
+ValueTable::Entry* ValueTable::find(int64_t index) {
+  const uint32_t* slot = slots_.find(index);
+  return slot == nullptr ? nullptr : &pool_[*slot];
+}
+
+const ValueTable::Entry* ValueTable::find(int64_t index) const {
+  const uint32_t* slot = slots_.find(index);
+  return slot == nullptr ? nullptr : &pool_[*slot];
+}
+
+ValueTable::Entry& ValueTable::add(int64_t index) {
+  auto [slot, inserted] = slots_.try_emplace(index);
+  if (inserted) {
+    if (free_.empty()) {
+      *slot = static_cast<uint32_t>(pool_.size());
+      pool_.emplace_back();
+    } else {
+      *slot = free_.back();
+      free_.pop_back();
+    }
+  }
+  return pool_[*slot];
+}
+
+void ValueTable::remove(int64_t index) {
+  const uint32_t* found = slots_.find(index);
+  if (found == nullptr) return;
+  const uint32_t slot = *found;
+  slots_.erase(index);
+  Entry& e = pool_[slot];
+  // (The caller moved the value out: only weak references are dropped here, under the lock.)
+  e = Entry{};
+  free_.push_back(slot);
+}
+
 void ValueTable::publish(int64_t tag, at::Tensor value) {
   at::Tensor dropped;  // dies after the lock is released
   bool wake = false;
   {
     std::lock_guard lock(mu_);
     const int64_t index = published_++;
-    Entry& e = *entries_.try_emplace(index).first;
+    Entry& e = add(index);
     e.published = true;
     if (e.expected) {
       if (e.tag != tag) mismatch(index, e.tag, tag);
       if (dead(e)) {
         dropped = std::move(value);
-        entries_.erase(index);
+        remove(index);
       } else {
         e.value = std::move(value);
       }
@@ -55,7 +90,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
   const int64_t index = expected_++;
-  Entry& e = *entries_.try_emplace(index).first;
+  Entry& e = add(index);
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
   e.tag = tag;
   e.expected = true;
@@ -70,7 +105,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   }
   if (e.published && !holder.defined()) {
     dropped = std::move(e.value);
-    entries_.erase(index);
+    remove(index);
   } else if (holder.defined()) {
     held_.push_back(index);
   }
@@ -79,19 +114,19 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
 
 void ValueTable::pin(int64_t index) {
   std::lock_guard lock(mu_);
-  ++entries_.try_emplace(index).first->pins;
+  ++add(index).pins;
 }
 
 std::optional<at::Tensor> ValueTable::take(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  Entry* e = entries_.find(index);
+  Entry* e = find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   at::Tensor v = e->value;
   if (e->pins > 0) --e->pins;
   if (e->pins == 0 && e->retired) {
     dropped = std::move(e->value);
-    entries_.erase(index);
+    remove(index);
   }
   return v;
 }
@@ -99,7 +134,7 @@ std::optional<at::Tensor> ValueTable::take(int64_t index) {
 void ValueTable::retire(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  Entry* e = entries_.find(index);
+  Entry* e = find(index);
   if (e == nullptr) return;
   if (e->pins > 0) {
     e->retired = true;  // the deferred feed takes it, then it goes
@@ -107,7 +142,7 @@ void ValueTable::retire(int64_t index) {
   }
   if (e->published) {
     dropped = std::move(e->value);
-    entries_.erase(index);
+    remove(index);
   } else {
     e->holder.reset();  // the graph's value is dropped when it arrives
     e->storage.reset();
@@ -116,7 +151,7 @@ void ValueTable::retire(int64_t index) {
 
 std::optional<at::Tensor> ValueTable::value(int64_t index) const {
   std::lock_guard lock(mu_);
-  const Entry* e = entries_.find(index);
+  const Entry* e = find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   return e->value;
 }
@@ -132,7 +167,7 @@ bool ValueTable::spin_published(int64_t count, std::chrono::nanoseconds budget) 
 
 std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
   std::lock_guard lock(mu_);
-  const Entry* e = entries_.find(index);
+  const Entry* e = find(index);
   if (e == nullptr || !e->expected) return std::nullopt;
   return e->tag;
 }
@@ -155,7 +190,8 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
   std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
   {
     std::lock_guard lock(mu_);
-    entries_.for_each([&](int64_t index, const Entry& e) {
+    slots_.for_each([&](int64_t index, uint32_t slot) {
+      const Entry& e = pool_[slot];
       if (!e.published || !e.holder || !e.value.defined()) return;
       if (auto impl = e.holder->lock()) {
         found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
@@ -182,25 +218,39 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
 void ValueTable::sweep() {
   std::vector<at::Tensor> dropped;
   std::lock_guard lock(mu_);
-  size_t kept = 0;
-  for (const int64_t index : held_) {
-    Entry* e = entries_.find(index);
-    if (e == nullptr) continue;  // retired, taken or dropped at publish
-    if (e->expected && e->published && dead(*e)) {
-      dropped.push_back(std::move(e->value));
-      entries_.erase(index);
-      continue;
+  // Keeps the indices of `list` whose entries may still be needed (in place), drops the rest.
+  auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
+    size_t kept = 0;
+    for (const int64_t index : list) {
+      Entry* e = find(index);
+      if (e == nullptr) continue;  // retired, taken or dropped at publish
+      if (e->expected && e->published && dead(*e)) {
+        dropped.push_back(std::move(e->value));
+        remove(index);
+        continue;
+      }
+      if (survivors != nullptr) survivors->push_back(index);
+      else list[kept++] = index;
     }
-    held_[kept++] = index;
+    if (survivors != nullptr) list.clear();
+    else list.resize(kept);
+  };
+  walk(held_, &old_held_);
+  if (old_held_.size() >= 2 * old_checked_ + 64) {
+    walk(old_held_, nullptr);
+    old_checked_ = old_held_.size();
   }
-  held_.resize(kept);
 }
 
 void ValueTable::clear() {
-  common::FlatMap<int64_t, Entry> dropped;
+  std::vector<Entry> dropped;  // dies after the lock is released
   std::lock_guard lock(mu_);
-  std::swap(dropped, entries_);
+  std::swap(dropped, pool_);
+  slots_.clear();
+  free_.clear();
   held_.clear();
+  old_held_.clear();
+  old_checked_ = 0;
   published_ = 0;
   published_seen_.store(0, std::memory_order_release);
   expected_ = 0;
@@ -209,7 +259,7 @@ void ValueTable::clear() {
 
 size_t ValueTable::size() const {
   std::lock_guard lock(mu_);
-  return entries_.size();
+  return slots_.size();
 }
 
 }  // namespace terra::runtime

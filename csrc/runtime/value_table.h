@@ -64,9 +64,10 @@ class ValueTable {
   // the holder if it is still alive, else a tensor over its storage that some other tensor
   // (autograd's saved copy of an output, a view) still uses; and the value.
   std::vector<std::pair<at::Tensor, at::Tensor>> live_values() const;
-  // Drops every entry whose holder has died and that both sides have passed. Costs the entries
-  // kept for a holder since the last sweep, not the table: the others go as soon as both sides
-  // have passed them (expect, publish).
+  // Drops entries whose holder has died and that both sides have passed: every such entry kept
+  // since the last sweep, and the older ones when they have doubled in number (amortized: the
+  // cost is the entries kept since the last sweep, not the table). The others go as soon as
+  // both sides have passed them (expect, publish).
   void sweep();
   // Forgets everything and restarts both counters at 0 (the graph must be stopped).
   void clear();
@@ -99,11 +100,27 @@ class ValueTable {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  // Open addressing: every output of the program claims an entry and most are dropped within the
-  // iteration; a node-based map paid a malloc and a free for each.
-  common::FlatMap<int64_t, Entry> entries_;
-  // Indices expect() kept for a live holder: the only entries sweep() has to look at.
+  // Every output of the program claims an entry and most are dropped within the iteration; a
+  // node-based map paid a malloc and a free for each. The entries live in a pool with a free
+  // list, and the open-addressing map holds only their slots: with the entries themselves in the
+  // map (~150 bytes each), a program that keeps placeholders alive (`losses.append(...)`)
+  // filled it, and every new index probed several large slots (cache misses under mu_, which
+  // the worker then waited for).
+  Entry* find(int64_t index);
+  const Entry* find(int64_t index) const;
+  Entry& add(int64_t index);  // the entry at `index`, a fresh one if there is none
+  void remove(int64_t index);
+  common::FlatMap<int64_t, uint32_t> slots_;
+  std::vector<Entry> pool_;
+  std::vector<uint32_t> free_;
+  // Indices expect() kept for a live holder: the only entries sweep() has to look at. Young
+  // ones (kept since the last sweep) are looked at every sweep; the ones that survived one are
+  // old and looked at only when their number has doubled since they were last: a program that
+  // keeps placeholders for good (`losses.append(loss.detach())`) made every iteration's sweep
+  // walk all of them, so the iteration boundary grew with the run.
   std::vector<int64_t> held_;
+  std::vector<int64_t> old_held_;
+  size_t old_checked_ = 0;  // old_held_.size() after its last walk
   int64_t published_ = 0;
   int64_t expected_ = 0;
   int64_t waiting_for_ = 0;  // the count wait_published() waits for; 0: nobody waits
