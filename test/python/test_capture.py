@@ -294,6 +294,37 @@ def test_shape_cache_makes_repeated_ops_a_lookup():
     assert _C.shape_cache_size() == filled + 3  # new shapes: mul, sigmoid, cumsum each once
 
 
+def test_a_float_an_in_place_op_writes_with_costs_no_cache_entry_per_value():
+    """The optimizers' per-step floats (a scheduled lr in add_, Adam's step size in addcdiv_, a
+    foreach op's scalar list) do not change the written tensors' metadata: one entry for all
+    values. Where a float can decide sizes (arange's end) each value is its own entry."""
+    p, g, d = torch.randn(6, 4), torch.randn(6, 4), torch.rand(6, 4) + 1
+
+    def step(lr):
+        def fn(p, g, d):
+            q = p.clone()
+            q.add_(g, alpha=-lr)
+            q.addcdiv_(g, d, value=-lr / 3)
+            torch._foreach_mul_([q, q], [lr, 2 * lr])
+            return q
+        return fn
+
+    debug.record(step(0.1), p, g, d, mode="placeholder")
+    filled = _C.shape_cache_size()
+    for k in range(5):
+        debug.record(step(0.1 + 0.01 * k), p, g, d, mode="placeholder")
+    assert _C.shape_cache_size() == filled  # before: add_, addcdiv_ and _foreach_mul_ per value
+
+    def ramp(end):
+        return lambda x: torch.arange(0.0, end) + x.sum()
+
+    debug.record(ramp(4.5), p, mode="placeholder")
+    filled = _C.shape_cache_size()
+    out, _ = debug.record(ramp(6.5), p, mode="placeholder")
+    assert _C.shape_cache_size() > filled  # another end: another size
+    assert out.shape == (7,)
+
+
 def test_bound_placeholder_becomes_an_ordinary_tensor_and_views_see_the_value():
     def fn(x):
         y = x * 2
