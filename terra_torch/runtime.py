@@ -127,6 +127,11 @@ class Program:
         # turns it off everywhere.
         self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
         self._speed_eager = False  # phase "eager" because eager was measured faster
+        # An iteration's time for the check is begin to begin (so that ending the previous
+        # iteration, Session.close and this bookkeeping, counts too): end() notes the mode of an
+        # iteration that counts, the next begin() measures it.
+        self._speed_pending: str | None = None
+        self._last_begin_ns = 0
         _programs.add(self)
 
     # ---- iteration boundaries -----------------------------------------------------------------
@@ -134,6 +139,7 @@ class Program:
     def begin(self, stop_frame: FrameType | None) -> None:
         """Start an iteration (ending the open one, of this or another program)."""
         global _active
+        start = time.monotonic_ns()
         with _lock:
             if _active is not None:
                 previous = _active
@@ -141,6 +147,9 @@ class Program:
                 if previous is not self:
                     # Values flow between programs only as real tensors.
                     previous._session.synchronize(True)
+            if self._speed_pending is not None and self._last_begin_ns:
+                self._speed_observe(self._speed_pending, (start - self._last_begin_ns) / 1e9)
+            self._speed_pending, self._last_begin_ns = None, start
             self._region_phase = self.phase
             self._t0 = time.monotonic_ns()
             _active = self
@@ -171,12 +180,14 @@ class Program:
             region, self._region = self._region, None
             if _active is self:
                 _active = None
+            if partial:  # (synchronize() between two iterations: that period is not measured)
+                self._speed_pending, self._last_begin_ns = None, 0
             if region is None:
                 if self.phase == "eager" and self._t0:
                     self._stats.iterations["eager"] += 1
                     self.iteration += 1
                     if self._speed_eager and not partial:
-                        self._speed_observe(EAGER, (time.monotonic_ns() - self._t0) / 1e9)
+                        self._speed_pending = EAGER
                     self._t0 = 0
                     if self._eager_left is not None:
                         self._eager_left -= 1
@@ -213,11 +224,12 @@ class Program:
                     elif not (unsupported and covered):
                         self._move("tracing", f"fell back at {fallback.source_line}: {fallback.reason}")
                     self._speed.restart()
+                    self._speed_pending = None
                 else:
                     self._unconverged = 0
                     self._differences.clear()
                     if not partial:
-                        self._speed_observe(COEXEC, elapsed)
+                        self._speed_pending = COEXEC
             else:
                 self._iteration_log.append((self.iteration, phase, self._t0, now, None, None))
                 region.close()

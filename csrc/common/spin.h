@@ -45,15 +45,25 @@ inline void cpu_relax() {
 }
 
 // Polls `ready` until it returns true (-> true) or `budget` has passed (-> false). The clock is
-// read every 64 polls: `ready` is an atomic load, far cheaper than the clock.
+// read every 64 polls: `ready` is an atomic load, far cheaper than the clock. After the first
+// few microseconds each of those reads also yields the CPU: on a machine where another process
+// holds the other core, the thread we wait for may be queued behind us on ours, and a pure spin
+// kept it off the CPU for the whole budget (an MLP step under one busy process: 465 us without
+// spinning, 650 us with a pure spin). With nobody else runnable, sched_yield returns at once.
 template <class Ready>
 bool spin_until(Ready&& ready, std::chrono::nanoseconds budget) {
   if (budget.count() <= 0) return ready();
-  const auto deadline = Clock::now() + budget;
+  const auto start = Clock::now();
+  const auto deadline = start + budget;
+  const auto yield_after = start + std::chrono::microseconds(5);
   for (uint32_t n = 1;; ++n) {
     if (ready()) return true;
     cpu_relax();
-    if ((n & 63) == 0 && Clock::now() >= deadline) return ready();
+    if ((n & 63) == 0) {
+      const auto now = Clock::now();
+      if (now >= deadline) return ready();
+      if (now >= yield_after) std::this_thread::yield();
+    }
   }
 }
 
