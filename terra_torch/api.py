@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -66,6 +67,15 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
         return evaluation[0]
 
     def begin(module: torch.nn.Module, args: Any) -> None:
+        if program.phase != "eager" and (outer := _calling_data_parallel()) is not None:
+            # DDP(terra_torch.wrap(model)): the reducer's hooks launch collectives on gradient
+            # buckets inside backward, which interception cannot run (c10d ops have no kernel
+            # for its key): the same eager fallback as terra_torch.wrap(DDP(model)).
+            reason = (f"the wrapped model is called by {outer}, which co-execution does not support yet (its "
+                      "reducer runs collectives inside backward); this model runs eagerly")
+            warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
+            program.synchronize()
+            program.run_eagerly(reason)
         if module.training and torch.is_grad_enabled():
             program.begin(runtime._stop_frame())
         else:
@@ -85,11 +95,35 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
     return model
 
 
+_DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
+def _is_data_parallel(obj: Any) -> bool:
+    name = type(obj).__name__
+    return name in _DATA_PARALLEL or name.startswith("FSDP")
+
+
+def _calling_data_parallel() -> str | None:
+    """The data-parallel wrapper whose forward is calling the wrapped model, if any: a few frames
+    up (DDP.forward -> _run_ddp_forward -> Module.__call__ -> the pre-hook). Looked for only
+    once torch.distributed is initialized."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            break
+        owner = f.f_locals.get("self")
+        if owner is not None and _is_data_parallel(owner):
+            return type(owner).__name__
+        f = f.f_back
+    return None
+
+
 def _distributed_wrapper(model: torch.nn.Module) -> str | None:
     """The name of a data-parallel wrapper at or inside `model`, if any."""
-    names = {"DistributedDataParallel", "FullyShardedDataParallel"}
     for m in model.modules():
-        if type(m).__name__ in names or type(m).__name__.startswith("FSDP"):
+        if _is_data_parallel(m):
             return type(m).__name__
     return None
 

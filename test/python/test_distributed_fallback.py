@@ -23,23 +23,31 @@ CHILD = textwrap.dedent("""
         import terra_torch
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-        ddp = nn.parallel.DistributedDataParallel(net)
+        outer = ORDER == "wrap(DDP)"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = terra_torch.wrap(ddp) if terra else ddp
-        opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(rank)  # each rank its own shard
-        data = [(torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
-        losses = []
-        for i in range(24):
-            x, y = data[i % 4]
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(); loss.backward(); opt.step()
-            losses.append(loss.item())
-        phases = terra_torch.stats(model).iterations if terra else None
-        warned = any("not supported by co-execution" in str(w.message) for w in caught)
+            if not terra:
+                model = nn.parallel.DistributedDataParallel(net)
+            elif outer:
+                model = terra_torch.wrap(nn.parallel.DistributedDataParallel(net))
+            else:
+                model = nn.parallel.DistributedDataParallel(terra_torch.wrap(net))
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(rank)  # each rank its own shard
+            data = [(torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+            losses = []
+            for i in range(24):
+                x, y = data[i % 4]
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                losses.append(loss.item())
+        phases = terra_torch.stats(model if outer else net).iterations if terra else None
+        warned = any("co-execution does not support yet" in str(w.message) or
+                     "not supported by co-execution" in str(w.message) for w in caught)
         q.put((rank, terra, losses, [p.detach().tolist() for p in net.parameters()], phases, warned))
         dist.destroy_process_group()
+
+    ORDER = sys.argv[2] if len(sys.argv) > 2 else "wrap(DDP)"
 
     if __name__ == "__main__":
         ctx = mp.get_context("spawn")
@@ -60,12 +68,17 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_wrap_of_ddp_warns_and_runs_eagerly_with_eager_ddp_results(tmp_path):
+@pytest.mark.parametrize("order", ["wrap(DDP)", "DDP(wrap)"])
+def test_wrap_of_ddp_warns_and_runs_eagerly_with_eager_ddp_results(tmp_path, order):
+    """Either order: terra_torch.wrap(DDP(model)) is seen at wrap time, DDP(terra_torch.wrap(model))
+    at the first forward call (before it, the reducer's collectives inside backward raised
+    NotImplementedError for terra's dispatch key on one rank and left the other waiting)."""
     script = tmp_path / "ddp_child.py"
     script.write_text(CHILD)
     port = 29400 + (hash(str(tmp_path)) % 400) * 2
     try:
-        out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=240)
+        out = subprocess.run([sys.executable, str(script), str(port), order], capture_output=True, text=True,
+                             timeout=240)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"data-parallel training hung: {e.stdout}\n{e.stderr}")
     assert out.returncode == 0, out.stderr[-3000:]
