@@ -209,14 +209,33 @@ void PythonRunner::wait_until_in_flight_below(int64_t n) {
   if (started_ - waited_ < n) return;
   const StallAccount account{stats_.stall_ns};
   GilRelease no_gil;
-  while (started_ - waited_ >= n) {
+  // Waits at most `wait` for the oldest iteration; a failed one is counted, then rethrown.
+  auto take_one = [&](std::chrono::nanoseconds wait) {
+    bool done = false;
     try {
-      runner_->wait_iteration(std::chrono::nanoseconds::max());
+      done = runner_->wait_iteration(wait);
     } catch (...) {
       ++waited_;
       throw;
     }
-    ++waited_;
+    if (done) ++waited_;
+    return done;
+  };
+  while (started_ - waited_ >= n) {
+    if (take_one(std::chrono::milliseconds(100))) continue;
+    // A long iteration: Ctrl-C still reaches the program, and a graph that waits for a post
+    // nobody will make (every started iteration has ended on this side, so Python owes it
+    // nothing) is an error, not a hang.
+    check_signals();
+    if (channel_->graph_stuck() && !take_one(std::chrono::nanoseconds(0))) {
+      const auto w = channel_->graph_waiting_for();
+      const char* what = !w                                  ? "a post"
+                         : w->kind == GraphWait::Kind::kFeed ? "feed "
+                         : w->kind == GraphWait::Kind::kGate ? "gate "
+                                                             : "decision ";
+      throw std::runtime_error(std::string("terra_torch internal error: an iteration Python has ended waits on the "
+                                           "graph side for ") + what + (w ? std::to_string(w->id) : std::string()));
+    }
   }
 }
 
