@@ -10,9 +10,10 @@ faster, checking again now and then (the data, the batch size or the machine's l
 Iterations of a program whose co-execution is slower, with the defaults:
 
     0-3       tracing
-    3-103     co-executed; the last 20 of them are measured (median wall time per iteration)
-    103-128   eager: 5 to settle, 20 measured; co-execution was slower -> stay eager
-    128-328   eager (200 iterations); then 25 eager and 25 co-executed are measured again ...
+    3-103     co-executed; the last 10 of them are measured (wall time per iteration)
+    103-148   eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch):
+              medians of 20 per mode; co-execution was slower -> stay eager
+    148-348   eager (200 iterations); then the two are measured in turns again ...
               the interval doubles while the decision stays (200, 400, ... 12800)
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
@@ -46,12 +47,17 @@ class SpeedCheck:
     The Program calls `observe(mode, seconds, iteration)` after each iteration that co-executed
     to its end or ran eagerly for this check (traced and fallen-back iterations are not
     measured); the return value is the mode the next iteration should run in.
+
+    A check measures the two modes in turns, `window // 2` iterations at a time (a block), twice
+    each, starting with the mode the program is in (after a switch, `settle` iterations are let
+    pass), and compares each mode's faster block (the lower of its two block medians): a burst of
+    load from another process during one block does not decide.
     """
 
     def __init__(self, enabled: bool = True, *, first_after: int = 100, window: int = 20, settle: int = 5,
                  interval: int = 200, max_interval: int = 12800, margin: float = 0.05) -> None:
-        if window < 1 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
-            raise ValueError("SpeedCheck: need window >= 1, settle >= 0, first_after >= window and "
+        if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
+            raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")
         self.enabled = enabled
         self.window = window
@@ -60,13 +66,11 @@ class SpeedCheck:
         self.max_interval = max_interval
         self.margin = margin
         self.verdicts: list[SpeedVerdict] = []
-        self._measuring: str | None = COEXEC  # the mode being measured (None: settled)
-        self._skip = first_after - window     # iterations to let pass before measuring
-        self._samples: list[float] = []
-        self._measured: dict[str, float] = {}  # this round's medians
-        self._mode = COEXEC                    # the mode chosen (or being measured)
-        self._left = 0                         # settled: iterations until the next check
+        self._half = window // 2
+        self._mode = COEXEC  # the mode chosen (or being measured)
+        self._left = 0       # settled: iterations until the next check
         self._interval = interval
+        self._start_check(COEXEC, skip=first_after - self._half)
 
     @property
     def mode(self) -> str:
@@ -78,6 +82,15 @@ class SpeedCheck:
         """Iterations until the next measurement starts (0 while one is in progress)."""
         return self._left if self._measuring is None else 0
 
+    def _start_check(self, mode: str, skip: int) -> None:
+        other = EAGER if mode == COEXEC else COEXEC
+        self._blocks = [other, mode, other]  # the blocks after the current one
+        self._samples: dict[str, list[list[float]]] = {COEXEC: [], EAGER: []}  # blocks per mode
+        self._measuring: str | None = mode
+        self._block_left = self._half
+        self._skip = skip
+        self._mode = mode
+
     def observe(self, mode: str, seconds: float, iteration: int) -> str:
         """Counts one iteration that ran in `mode` and took `seconds`; returns the next mode."""
         if not self.enabled:
@@ -85,23 +98,25 @@ class SpeedCheck:
         if self._measuring is None:
             self._left -= 1
             if self._left <= 0:  # check again, starting with the mode we are in
-                self._measuring, self._skip, self._samples, self._measured = mode, 0, [], {}
+                self._start_check(mode, skip=0)
             return self._mode
         if mode != self._measuring:
             return self._mode
         if self._skip > 0:
             self._skip -= 1
             return self._mode
-        self._samples.append(seconds)
-        if len(self._samples) < self.window:
+        if self._block_left == self._half:
+            self._samples[mode].append([])
+        self._samples[mode][-1].append(seconds)
+        self._block_left -= 1
+        if self._block_left > 0:
             return self._mode
-        self._measured[mode] = statistics.median(self._samples)
-        self._samples = []
-        other = EAGER if mode == COEXEC else COEXEC
-        if other not in self._measured:
-            self._measuring, self._skip, self._mode = other, self.settle, other
-            return other
-        coexec_s, eager_s = self._measured[COEXEC], self._measured[EAGER]
+        if self._blocks:
+            following = self._blocks.pop(0)
+            self._measuring, self._mode, self._block_left, self._skip = following, following, self._half, self.settle
+            return following
+        coexec_s = min(statistics.median(b) for b in self._samples[COEXEC])
+        eager_s = min(statistics.median(b) for b in self._samples[EAGER])
         chosen = EAGER if coexec_s > eager_s * (1.0 + self.margin) else COEXEC
         previous = self.verdicts[-1].chosen if self.verdicts else COEXEC
         self._interval = min(self._interval * 2, self.max_interval) if chosen == previous else self.first_interval
@@ -113,5 +128,4 @@ class SpeedCheck:
         """The program left the modes this check compares (it fell back and traces again): a
         measurement in progress starts over once it co-executes again."""
         if self._measuring is not None:  # (the first measurement still waits its first_after)
-            self._measuring, self._skip = COEXEC, max(self._skip, self.settle)
-            self._samples, self._measured, self._mode = [], {}, COEXEC
+            self._start_check(COEXEC, skip=max(self._skip, self.settle))

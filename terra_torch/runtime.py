@@ -331,7 +331,7 @@ class Program:
             self._stats.speed_checks.append({"iteration": v.iteration, "coexec_ms": v.coexec_s * 1e3,
                                              "eager_ms": v.eager_s * 1e3, "chosen": v.chosen})
             why = (f"speed check: co-executed iterations took {v.coexec_s * 1e3:.3f} ms, eager ones "
-                   f"{v.eager_s * 1e3:.3f} ms (medians of {self._speed.window})")
+                   f"{v.eager_s * 1e3:.3f} ms (medians, measured in turns)")
             if v.chosen == EAGER:
                 first = not any(c["chosen"] == EAGER for c in self._stats.speed_checks[:-1])
                 (logger.warning if first else logger.info)(
