@@ -104,14 +104,15 @@ def _is_data_parallel(obj: Any) -> bool:
 
 
 def _calling_data_parallel() -> str | None:
-    """The data-parallel wrapper whose forward is calling the wrapped model, if any: a few frames
-    up (DDP.forward -> _run_ddp_forward -> Module.__call__ -> the pre-hook). Looked for only
-    once torch.distributed is initialized."""
+    """The data-parallel wrapper whose forward is calling the wrapped model, if any: among the
+    torch frames right above the pre-hook (DDP.forward -> _run_ddp_forward -> Module.__call__).
+    Looked for only once torch.distributed is initialized, and only up to the first frame
+    outside torch (the user's), so a program without one pays for two or three frames."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     f = sys._getframe(2)
     for _ in range(8):
-        if f is None:
+        if f is None or not f.f_code.co_filename.startswith(runtime._TORCH_DIR):
             break
         owner = f.f_locals.get("self")
         if owner is not None and _is_data_parallel(owner):

@@ -324,8 +324,12 @@ class Program:
 
     def _speed_observe(self, mode: str, seconds: float) -> None:
         """Feeds one measured iteration to the speed check and moves to the mode it asks for."""
+        if not self._speed.enabled:
+            return
         checks = len(self._speed.verdicts)
         wanted = self._speed.observe(mode, seconds, self.iteration)
+        if wanted == mode and len(self._speed.verdicts) == checks:
+            return  # (nearly every iteration: nothing to report, nothing to move)
         if len(self._speed.verdicts) > checks:
             v = self._speed.verdicts[-1]
             self._stats.speed_checks.append({"iteration": v.iteration, "coexec_ms": v.coexec_s * 1e3,

@@ -214,9 +214,8 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   const c10::FunctionSchema& schema = op.schema();
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
   // The outputs of an op that writes every one of them into an argument (add_, addcdiv_) are
-  // those arguments: a float changes their values, never their
-  // metadata (no in-place op that changes metadata, unsqueeze_ or resize_, takes one). Keyed by
-  // value, the optimizers' per-step floats (a scheduled lr, Adam's step size while its bias
+  // those arguments: a float changes their values, never their metadata (no in-place op that
+  // changes metadata, unsqueeze_ or resize_, takes one). Keyed by value, the optimizers' per-step floats (a scheduled lr, Adam's step size while its bias
   // correction moves) missed the cache every step, and each miss ran the meta kernel, some of
   // them in Python (Adam's demo: 1 ms per co-executed step for its first ~350 steps, 0.32 after).
   // Elsewhere a float can decide sizes (arange's end, upsampling's scale factors) and is kept.

@@ -23,54 +23,19 @@ void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published
                            " for the graph");
 }
 
-ValueTable::Entry* ValueTable::find(int64_t index) {
-  const uint32_t* slot = slots_.find(index);
-  return slot == nullptr ? nullptr : &pool_[*slot];
-}
-
-const ValueTable::Entry* ValueTable::find(int64_t index) const {
-  const uint32_t* slot = slots_.find(index);
-  return slot == nullptr ? nullptr : &pool_[*slot];
-}
-
-ValueTable::Entry& ValueTable::add(int64_t index) {
-  auto [slot, inserted] = slots_.try_emplace(index);
-  if (inserted) {
-    if (free_.empty()) {
-      *slot = static_cast<uint32_t>(pool_.size());
-      pool_.emplace_back();
-    } else {
-      *slot = free_.back();
-      free_.pop_back();
-    }
-  }
-  return pool_[*slot];
-}
-
-void ValueTable::remove(int64_t index) {
-  const uint32_t* found = slots_.find(index);
-  if (found == nullptr) return;
-  const uint32_t slot = *found;
-  slots_.erase(index);
-  Entry& e = pool_[slot];
-  // (The caller moved the value out: only weak references are dropped here, under the lock.)
-  e = Entry{};
-  free_.push_back(slot);
-}
-
 void ValueTable::publish(int64_t tag, at::Tensor value) {
   at::Tensor dropped;  // dies after the lock is released
   bool wake = false;
   {
     std::lock_guard lock(mu_);
     const int64_t index = published_++;
-    Entry& e = add(index);
+    Entry& e = *entries_.try_emplace(index).first;
     e.published = true;
     if (e.expected) {
       if (e.tag != tag) mismatch(index, e.tag, tag);
       if (dead(e)) {
         dropped = std::move(value);
-        remove(index);
+        entries_.erase(index);
       } else {
         e.value = std::move(value);
       }
@@ -90,7 +55,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
   const int64_t index = expected_++;
-  Entry& e = add(index);
+  Entry& e = *entries_.try_emplace(index).first;
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
   e.tag = tag;
   e.expected = true;
@@ -105,7 +70,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   }
   if (e.published && !holder.defined()) {
     dropped = std::move(e.value);
-    remove(index);
+    entries_.erase(index);
   } else if (holder.defined()) {
     held_.push_back(index);
   }
@@ -114,19 +79,19 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
 
 void ValueTable::pin(int64_t index) {
   std::lock_guard lock(mu_);
-  ++add(index).pins;
+  ++entries_.try_emplace(index).first->pins;
 }
 
 std::optional<at::Tensor> ValueTable::take(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  Entry* e = find(index);
+  Entry* e = entries_.find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   at::Tensor v = e->value;
   if (e->pins > 0) --e->pins;
   if (e->pins == 0 && e->retired) {
     dropped = std::move(e->value);
-    remove(index);
+    entries_.erase(index);
   }
   return v;
 }
@@ -134,7 +99,7 @@ std::optional<at::Tensor> ValueTable::take(int64_t index) {
 void ValueTable::retire(int64_t index) {
   at::Tensor dropped;
   std::lock_guard lock(mu_);
-  Entry* e = find(index);
+  Entry* e = entries_.find(index);
   if (e == nullptr) return;
   if (e->pins > 0) {
     e->retired = true;  // the deferred feed takes it, then it goes
@@ -142,7 +107,7 @@ void ValueTable::retire(int64_t index) {
   }
   if (e->published) {
     dropped = std::move(e->value);
-    remove(index);
+    entries_.erase(index);
   } else {
     e->holder.reset();  // the graph's value is dropped when it arrives
     e->storage.reset();
@@ -151,7 +116,7 @@ void ValueTable::retire(int64_t index) {
 
 std::optional<at::Tensor> ValueTable::value(int64_t index) const {
   std::lock_guard lock(mu_);
-  const Entry* e = find(index);
+  const Entry* e = entries_.find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   return e->value;
 }
@@ -167,7 +132,7 @@ bool ValueTable::spin_published(int64_t count, std::chrono::nanoseconds budget) 
 
 std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
   std::lock_guard lock(mu_);
-  const Entry* e = find(index);
+  const Entry* e = entries_.find(index);
   if (e == nullptr || !e->expected) return std::nullopt;
   return e->tag;
 }
@@ -190,8 +155,7 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
   std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
   {
     std::lock_guard lock(mu_);
-    slots_.for_each([&](int64_t index, uint32_t slot) {
-      const Entry& e = pool_[slot];
+    entries_.for_each([&](int64_t index, const Entry& e) {
       if (!e.published || !e.holder || !e.value.defined()) return;
       if (auto impl = e.holder->lock()) {
         found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
@@ -222,11 +186,11 @@ void ValueTable::sweep() {
   auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
     size_t kept = 0;
     for (const int64_t index : list) {
-      Entry* e = find(index);
+      Entry* e = entries_.find(index);
       if (e == nullptr) continue;  // retired, taken or dropped at publish
       if (e->expected && e->published && dead(*e)) {
         dropped.push_back(std::move(e->value));
-        remove(index);
+        entries_.erase(index);
         continue;
       }
       if (survivors != nullptr) survivors->push_back(index);
@@ -243,11 +207,9 @@ void ValueTable::sweep() {
 }
 
 void ValueTable::clear() {
-  std::vector<Entry> dropped;  // dies after the lock is released
+  common::FlatMap<int64_t, Entry> dropped;  // dies after the lock is released
   std::lock_guard lock(mu_);
-  std::swap(dropped, pool_);
-  slots_.clear();
-  free_.clear();
+  std::swap(dropped, entries_);
   held_.clear();
   old_held_.clear();
   old_checked_ = 0;
@@ -259,7 +221,7 @@ void ValueTable::clear() {
 
 size_t ValueTable::size() const {
   std::lock_guard lock(mu_);
-  return slots_.size();
+  return entries_.size();
 }
 
 }  // namespace terra::runtime

@@ -100,19 +100,9 @@ class ValueTable {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  // Every output of the program claims an entry and most are dropped within the iteration; a
-  // node-based map paid a malloc and a free for each. The entries live in a pool with a free
-  // list, and the open-addressing map holds only their slots: with the entries themselves in the
-  // map (~150 bytes each), a program that keeps placeholders alive (`losses.append(...)`)
-  // filled it, and every new index probed several large slots (cache misses under mu_, which
-  // the worker then waited for).
-  Entry* find(int64_t index);
-  const Entry* find(int64_t index) const;
-  Entry& add(int64_t index);  // the entry at `index`, a fresh one if there is none
-  void remove(int64_t index);
-  common::FlatMap<int64_t, uint32_t> slots_;
-  std::vector<Entry> pool_;
-  std::vector<uint32_t> free_;
+  // Open addressing: every output of the program claims an entry and most are dropped within the
+  // iteration; a node-based map paid a malloc and a free for each.
+  common::FlatMap<int64_t, Entry> entries_;
   // Indices expect() kept for a live holder: the only entries sweep() has to look at. Young
   // ones (kept since the last sweep) are looked at every sweep; the ones that survived one are
   // old and looked at only when their number has doubled since they were last: a program that
