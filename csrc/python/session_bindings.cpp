@@ -38,6 +38,7 @@ py::dict session_stats(Session& s) {
   d["divergences"] = p.divergences;
   d["materialized"] = p.materialized;
   d["known_reads"] = p.known_reads;
+  d["early_reads"] = p.early_reads;
   d["graph_iterations_run"] = g.iterations_run;
   d["graph_iterations_failed"] = g.iterations_failed;
   d["graph_exec_ns"] = g.exec_ns;

@@ -47,8 +47,8 @@ bool KnownValues::fresh(const at::Tensor& t) const {
          !written_overflow_ && !was_written(t.storage().unsafeGetStorageImpl());
 }
 
-bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out) const {
-  if (known_.empty()) return false;
+bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph) {
+  if (known_.empty() && (graph == nullptr || recipes_.empty())) return false;
   out.clear();
   bool any = false;
   // The known value of one tensor argument (itself for Python numbers and fresh tensors).
@@ -67,7 +67,18 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
       any = true;
       return true;
     }
-    return false;
+    if (graph == nullptr || !capture::is_placeholder(t)) return false;
+    if (resolve(t, v, *graph, 0)) {
+      any = true;
+      return true;
+    }
+    if (ever_written(t)) return false;
+    const std::optional<int64_t> index = graph->link(t);
+    if (!index) return false;
+    std::optional<at::Tensor> got = graph->published(*index);
+    if (!got) return false;
+    v = *got;
+    return true;
   };
   at::Tensor v;
   for (const c10::IValue& a : args) {
@@ -89,6 +100,121 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
     }
   }
   return any;
+}
+
+void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link) {
+  planned_.reset();
+  Recipe r;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& a = args[i];
+    if (a.isTensorList() || a.isOptionalTensorList()) return;
+    if (!a.isTensor()) {
+      r.args.push_back(a);
+      continue;
+    }
+    const at::Tensor& t = a.toTensor();
+    if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      r.args.push_back(a);
+      continue;
+    }
+    const int64_t n = t.numel();
+    if (n > kMaxRecipeElements || !t.is_cpu() || t.layout() != c10::kStrided) return;  // (most ops end here)
+    if (const Known* k = n <= kMaxKnownElements ? find(t) : nullptr) {
+      r.args.emplace_back(copy_of(k->value));  // (a followed in-place op updates the known copy)
+      continue;
+    }
+    if (capture::is_placeholder(t)) {
+      const bool has_recipe = recipes_.find(t.unsafeGetTensorImpl()) != nullptr;
+      if (!has_recipe && n > kMaxKnownElements) return;
+      if (ever_written(t)) return;
+      const std::optional<int64_t> index = link(t);
+      if (!index && !has_recipe) return;
+      r.inputs.push_back({i, true, index.value_or(-1), t._version(), WeakImpl(t.getIntrusivePtr()), t.storage()});
+      r.needs_graph |= !has_recipe;
+    } else if (t.has_storage() && t.data_ptr() != nullptr && !t.is_inference() && !ever_written(t)) {
+      // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
+      if (n <= kMaxKnownElements) {
+        r.args.emplace_back(copy_of(t));
+        continue;
+      }
+      r.inputs.push_back({i, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
+    } else {
+      return;
+    }
+    r.args.emplace_back();  // (filled in when the recipe runs)
+  }
+  if (r.inputs.empty() || capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
+  r.op = op;
+  planned_ = std::move(r);
+}
+
+void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
+  if (!planned_) return;
+  Recipe r = std::move(*planned_);
+  planned_.reset();
+  if (outputs.size() != 1) return;
+  const at::Tensor& out = outputs[0];
+  if (!out.defined() || !out.is_cpu() || out.numel() > (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements)) return;
+  r.impl.emplace(out.getIntrusivePtr());
+  r.version = out._version();
+  *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::move(r);
+}
+
+void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
+  if (!v.defined() || !v.is_cpu() || v.numel() > kMaxKnownElements) return;
+  Known& k = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
+  k.impl.emplace(t.getIntrusivePtr());
+  k.value = copy_of(v);  // private: a followed in-place op writes the copy, never the graph's tensor
+  k.version = t._version();
+  k.settled = true;
+}
+
+bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth) {
+  if (const Known* k = find(t)) {
+    v = k->value;
+    return true;
+  }
+  if (depth >= kMaxRecipeDepth) return false;
+  const Recipe* found = recipes_.find(t.unsafeGetTensorImpl());
+  // A recipe gives the value its op computed: still `t`'s only while nothing wrote `t` since.
+  if (found == nullptr || !found->impl || found->impl->_unsafe_get_target() != t.unsafeGetTensorImpl() ||
+      found->impl->expired() || found->version != t._version() || ever_written(t))
+    return false;
+  // (Copied: the recursion below may add to known_, and resolving may wait for the graph.)
+  const c10::OperatorHandle op = *found->op;
+  torch::jit::Stack stack = found->args;
+  const c10::SmallVector<RecipeInput, 2> inputs = found->inputs;
+  for (const RecipeInput& in : inputs) {
+    at::Tensor p;
+    if (auto impl = in.impl->lock()) p = at::Tensor(std::move(impl));
+    // The tensor's value now is the one the op read if nothing has written it since.
+    const bool unchanged = p.defined() && p._version() == in.version && !ever_written(p);
+    at::Tensor value;
+    if (!in.placeholder) {
+      if (!unchanged) return false;
+      value = p;
+    } else if (!(unchanged && resolve(p, value, graph, depth + 1))) {
+      if (in.index < 0) return false;
+      std::optional<at::Tensor> got = graph.published(in.index);
+      if (!got) return false;
+      value = *got;
+      if (unchanged) learn_value(p, value);
+    }
+    stack[in.arg] = value;
+  }
+  {
+    capture::SuspendGuard no_interception;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+    try {
+      op.callBoxed(&stack);
+    } catch (const std::exception&) {
+      return false;  // the graph raises where eager would; the read waits for it
+    }
+  }
+  if (stack.size() != 1 || !stack[0].isTensor()) return false;
+  v = stack[0].toTensor();
+  learn_value(t, v);
+  return true;
 }
 
 void KnownValues::note_written(const at::Tensor& t) {
@@ -166,7 +292,11 @@ void KnownValues::settle() {
 
 void KnownValues::prune() {
   known_.erase_if([](const c10::TensorImpl*, const Known& k) { return !k.impl || k.impl->expired(); });
+  recipes_.erase_if([](const c10::TensorImpl*, const Recipe& r) { return !r.impl || r.impl->expired(); });
   for (auto it = written_.begin(); it != written_.end();) it = it->second.expired() ? written_.erase(it) : std::next(it);
+  pruned_known_ = known_.size();
+  pruned_recipes_ = recipes_.size();
+  pruned_written_ = written_.size();
 }
 
 }  // namespace terra::runtime

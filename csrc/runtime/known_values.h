@@ -22,12 +22,24 @@
 // Example (Adam, iteration 10, one parameter):
 //     step_t += 1        -> placeholder path; the copy of step_t (known since iteration 3) += 1
 //     step_t.item()      -> 11.0 from the copy; no wait
+//
+// A *recipe* covers the small values computed from the graph's: a functional op whose one output
+// is a small CPU tensor and whose tensor arguments are known, fresh, or small placeholders no op
+// has written is kept (with copies of the known arguments and each placeholder's index in the
+// output sequence). A read of its output waits only until those indices are published, then runs
+// the op on their values; the graph runs in program order, so waiting for the op itself would
+// wait for everything before it:
+//     loss = criterion(model(x), y)   -> placeholder, output 41 of the sequence
+//     loss.backward()                 -> replayed: outputs 42..140 (the graph runs them next)
+//     if loss > avg: ...              -> gt: a recipe (loss: index 41, avg: known); the read
+//                                        waits for output 41, not for the backward
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/FunctionRef.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
@@ -44,11 +56,33 @@ class KnownValues {
  public:
   // `t` has its current value (it was just materialized): remember a copy if it is small.
   void learn(const at::Tensor& t);
+  // The index of a placeholder's value in the output sequence (its link), if it has one.
+  using LinkOf = c10::function_ref<std::optional<int64_t>(const at::Tensor&)>;
+  // What a read may ask of the graph's side: links, and the value at an index of the output
+  // sequence, waited for (nullopt: it is gone).
+  struct GraphValues {
+    LinkOf link;
+    c10::function_ref<std::optional<at::Tensor>(int64_t)> published;
+  };
+
   // `args` with every tensor replaced by its known value (a Python number stands for itself);
-  // false if some tensor argument has none (or a list of tensors is passed).
-  bool substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out) const;
+  // false if some tensor argument has none (or a list of tensors is passed), or none is known.
+  // With `graph` (a read), recipes are run, and placeholders without one that no op has written
+  // take the graph's value; still true only if some argument was known or had a recipe.
+  bool substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph = nullptr);
+  // Before an op Python answers with placeholders (and could not follow): plans a recipe if it
+  // qualifies; keep_recipe() attaches it to the op's output, any other call drops it.
+  void plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link);
+  void keep_recipe(c10::ArrayRef<at::Tensor> outputs);
+  void drop_planned() { planned_.reset(); }
+  bool has_recipes() const { return !recipes_.empty(); }
   // A tensor a co-executed op writes (the graph writes it later): it is never fresh.
   void note_written(const at::Tensor& t);
+  // Whether some co-executed op wrote `t`'s storage (through `t` or any view of it); true when
+  // that can no longer be told (too many written storages).
+  bool ever_written(const at::Tensor& t) const {
+    return written_overflow_ || !t.has_storage() || was_written(t.storage().unsafeGetStorageImpl());
+  }
   // After an op Python answered with placeholders, whose arguments substitute() replaced in
   // `known`: runs it on them (below autograd, without interception) and keeps the results as
   // the values of `outputs` (the op's outputs, flattened) if they are all small CPU tensors, and
@@ -65,12 +99,25 @@ class KnownValues {
   void clear() {
     known_.clear();
     unsettled_.clear();
+    pruned_known_ = 0;
+    forget_recipes();
+  }
+  // The output sequence restarts: the recipes' indices would name other values.
+  void forget_recipes() {
+    recipes_.clear();
+    pruned_recipes_ = 0;
+    planned_.reset();
   }
   // The ops that wrote known tensors have returned through autograd: their versions are final.
   // Called before every op, and at the end of an iteration.
   void settle();
   // Dead entries may have piled up (checked once per iteration).
-  bool wants_pruning() const { return known_.size() > 64 || written_.size() > 4096; }
+  // (Each table is walked when it has doubled since its last pruning: a program may keep many
+  // alive, and a walk per iteration would cost as much as they.)
+  bool wants_pruning() const {
+    return known_.size() > 2 * pruned_known_ + 64 || recipes_.size() > 2 * pruned_recipes_ + 64 ||
+           written_.size() > 2 * pruned_written_ + 4096;
+  }
   // Drops the entries of tensors that died.
   void prune();
   bool empty() const { return known_.empty(); }
@@ -83,6 +130,38 @@ class KnownValues {
     int64_t version = 0;  // the tensor's version counter when `value` was its value
     bool settled = true;  // false between an op that wrote it and the next op (settle())
   };
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  // A tensor argument of a recipe that is not copied: a placeholder, whose value is its own
+  // recipe's or output `index` of the sequence (-1: none; it is not published), or a real tensor
+  // no op has written (`index` -1), read from its memory. The recipe holds a placeholder's
+  // storage, not the tensor: the value table keeps a dataless placeholder's value while its
+  // storage lives, and the tensor would keep its autograd graph (the activations) alive.
+  struct RecipeInput {
+    size_t arg = 0;
+    bool placeholder = true;
+    int64_t index = -1;
+    int64_t version = 0;  // the tensor's version when the op read it
+    std::optional<WeakImpl> impl;
+    c10::Storage storage;
+  };
+  struct Recipe {
+    std::optional<c10::OperatorHandle> op;
+    torch::jit::Stack args;  // private copies of known and fresh tensors; None for placeholders
+    c10::SmallVector<RecipeInput, 2> inputs;
+    std::optional<WeakImpl> impl;  // the output
+    int64_t version = 0;
+    bool needs_graph = false;  // some placeholder input has no recipe
+  };
+  // Depth of recipes run for one read (a recipe's placeholder may have a recipe of its own), and
+  // the most elements a recipe's tensors have. A recipe whose value needs nothing from the graph
+  // (`x.abs().max()` of a batch) may have an output this large; one that waits for the graph only
+  // a small one (kMaxKnownElements).
+  static constexpr int kMaxRecipeDepth = 4;
+  static constexpr int64_t kMaxRecipeElements = 4096;
+  // `t`'s value from a recipe (placeholder inputs: known, their own recipe, or the graph's);
+  // learned when found.
+  bool resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth);
+  void learn_value(const at::Tensor& t, const at::Tensor& v);
   static bool small_cpu(const at::Tensor& t);
   static at::Tensor copy_of(const at::Tensor& t);  // a private copy, made below autograd
   const Known* find(const at::Tensor& t) const;
@@ -95,7 +174,10 @@ class KnownValues {
   static constexpr size_t kMaxWritten = 1 << 20;
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
   std::vector<const c10::TensorImpl*> unsettled_;
+  common::FlatMap<const c10::TensorImpl*, Recipe> recipes_;  // by output
+  std::optional<Recipe> planned_;  // between plan_recipe and keep_recipe
   bool written_overflow_ = false;
+  size_t pruned_known_ = 0, pruned_recipes_ = 0, pruned_written_ = 0;  // sizes after the last prune()
 };
 
 }  // namespace terra::runtime

@@ -135,12 +135,15 @@ bool PythonRunner::end_iteration(bool partial) {
 }
 
 void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
-  // A read: everything Python validated so far must have run (the op may read a tensor the
-  // graph updates in place), and the placeholders it reads get their values.
+  // A read: what it reads must have run (read_horizon), and the placeholders it reads get their
+  // values.
   ++stats_.reads;
   if (recording_) not_replayable("the backward reads data");
-  flush();
-  wait_for_graph(values_->expected());
+  flush();  // (all of it: the graph goes on with the rest while Python reads)
+  const int64_t all = values_->expected();
+  const int64_t horizon = read_horizon(args);
+  if (horizon < all) ++stats_.early_reads;
+  wait_for_graph(horizon);
   auto give_value = [&](const at::Tensor& t) {
     if (!t.defined()) return;
     if (const auto linked = linked_index(t)) {
@@ -167,12 +170,25 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
 
 bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
                                    torch::jit::Stack& out) {
-  if (!known_values_enabled_ || diverged_ || known_.empty()) return false;
-  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
-  if (!known_.substitute(args, out)) return false;
+  known_.drop_planned();
+  if (!known_values_enabled_ || diverged_) return false;
+  auto link = [this](const at::Tensor& t) { return linked_index(t); };
   if (read) {
+    if (known_.empty() && !known_.has_recipes()) return false;
+    known_.settle();
+    auto published = [this](int64_t index) -> std::optional<at::Tensor> {
+      wait_for_graph(index + 1);
+      return values_->value(index);
+    };
+    const KnownValues::GraphValues graph{link, published};
+    if (!known_.substitute(args, out, &graph)) return false;
     ++stats_.known_reads;
     return true;
+  }
+  if (!known_.empty()) known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
+  if (known_.empty() || !known_.substitute(args, out)) {
+    known_.plan_recipe(op, args, link);  // (kept by outputs() if its one output is small)
+    return false;
   }
   // The tensors it writes, for follow_known (the arguments are gone from the stack by then).
   known_written_.clear();
@@ -192,6 +208,7 @@ void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
+  known_.keep_recipe(outputs);
   const trace::NodeId node = record_nodes_.at(index);
   const uint32_t count = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
   if (count == 0) return;
@@ -262,6 +279,38 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));
+}
+
+int64_t PythonRunner::read_horizon(c10::ArrayRef<c10::IValue> args) const {
+  // In general everything Python validated so far: the op may read a tensor that an op already
+  // validated writes in place, and the graph runs in program order. But a placeholder whose
+  // storage no co-executed op has written (KnownValues remembers every written storage, views
+  // included) still holds what its producer output, at its link index; a read of only such
+  // placeholders waits for those indices. `loss.item()` after `opt.step()` waits for the
+  // forward, not for the backward and the step, which the graph runs while Python goes on.
+  const int64_t all = values_->expected();
+  if (!known_values_enabled_) return all;
+  int64_t need = 0;
+  auto reaches = [&](const at::Tensor& t) {
+    if (!t.defined()) return true;
+    if (!capture::is_placeholder(t) || known_.ever_written(t)) return false;
+    const std::optional<int64_t> linked = linked_index(t);
+    if (!linked) return false;
+    need = std::max(need, *linked + 1);
+    return true;
+  };
+  for (const c10::IValue& a : args) {
+    if (a.isTensor()) {
+      if (!reaches(a.toTensor())) return all;
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList().vec())
+        if (!reaches(t)) return all;
+    } else if (a.isOptionalTensorList()) {
+      for (const c10::IValue& e : a.toListRef())
+        if (e.isTensor() && !reaches(e.toTensor())) return all;
+    }
+  }
+  return std::min(need, all);
 }
 
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {

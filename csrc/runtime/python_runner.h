@@ -42,6 +42,7 @@ struct PythonRunnerStats {
   int64_t divergences = 0;
   int64_t materialized = 0;    // placeholders given their value
   int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
+  int64_t early_reads = 0;     // reads that waited only for the values they read (read_horizon)
 };
 
 // Co-execution sends posts in batches of this many (and whenever Python waits or an iteration
@@ -176,6 +177,8 @@ class PythonRunner final : public capture::CoExecHook {
   // graph had not computed stay without one.
   [[noreturn]] void recover_from_failure(const std::string& error);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
+  // How much of the output sequence a read of `args` waits for (python_runner.cpp).
+  int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
   // The selection the graph makes at input `slot` of `node` for the cursor's copy, if any.
@@ -229,9 +232,10 @@ class PythonRunner final : public capture::CoExecHook {
   // links_.size() after its last pruning: expired links are pruned when the table has doubled
   // since (a walk per iteration cost as much as the placeholders the program keeps for good).
   size_t links_pruned_ = 0;
-  void forget_links() {
+  void forget_links() {  // (with the value table: the recipes name its indices)
     links_.clear();
     links_pruned_ = 0;
+    known_.forget_recipes();
   }
   // This iteration, per (node, output) (key: its publish tag) and, in unrolled loops, per copy
   // of it (key: copy_key, record only): the record that last ran it, for the checked reads

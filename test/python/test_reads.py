@@ -1,0 +1,173 @@
+"""Reads in co-execution wait only for what they read (docs/RUNTIME.md, "Reads").
+
+The graph runs in program order, so a read that waited for everything Python has validated would
+wait for the backward and the optimizer step whenever the program reads after them. A read of
+placeholders nothing has written waits only for their values; a read of a small value computed
+from such placeholders and from values Python knows (a recipe) runs that op on the Python side.
+Each program here is bitwise against eager over 60 iterations and names the counter that shows
+which way its reads went; each also writes a tensor the way that would make a shortcut wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+
+STEPS = 60
+WARMUP = 6  # iterations a program may trace before it co-executes
+DATA = torch.randn(6, 16, 8, generator=torch.Generator().manual_seed(3))
+LABELS = torch.randint(0, 4, (6, 16), generator=torch.Generator().manual_seed(4))
+
+
+def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+Make = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def run(step: Callable[..., Any], terra: bool, make: Make) -> tuple[list[Any], list[torch.Tensor], Any]:
+    model, opt = make()
+    state: dict[str, Any] = {"avg": torch.tensor(1.4), "log": []}
+    fn = terra_torch.function(step, speed_check=False) if terra else step
+    for i in range(STEPS):
+        fn(model, opt, state, i)
+    stats = None
+    if terra:
+        terra_torch.synchronize()
+        stats = terra_torch.stats(fn)
+    log = [v.clone() if isinstance(v, torch.Tensor) else v for v in state["log"]]
+    return log, [p.detach().clone() for p in model.parameters()], stats
+
+
+def check(step: Callable[..., Any], make: Make = mlp) -> dict[str, Any]:
+    eager_log, eager_params, _ = run(step, False, make)
+    terra_log, terra_params, stats = run(step, True, make)
+    assert len(terra_log) == len(eager_log)
+    for a, b in zip(eager_log, terra_log):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (a, b)
+    for a, b in zip(eager_params, terra_params):
+        assert torch.equal(a, b)
+    assert stats.iterations["coexec"] >= 0.8 * (STEPS - WARMUP), stats
+    return stats.runner
+
+
+def test_loss_item_after_the_step_waits_only_for_the_forward():
+    """`total += loss.item()` after `opt.step()`: the loss was published by the forward."""
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"].append(loss.item())
+
+    runner = check(step)
+    assert runner["early_reads"] >= STEPS - 2 * WARMUP, runner
+
+
+HEAVY = torch.randn(384, 384, generator=torch.Generator().manual_seed(5))
+
+
+def test_a_read_after_a_write_through_a_view_waits_for_the_write():
+    """`total` is written through a view after it was computed: the read must wait for the
+    write. The graph's `total` is the tensor the write changes, so a read that waited only for
+    `total` would see the write or not by timing; the matrix product between them makes the graph
+    reach the write milliseconds after `total`, and such a read 1 too little every time."""
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total = loss.detach() * 2
+        state["log"].append((HEAVY @ HEAVY @ HEAVY).sum().detach())
+        total.view(1).add_(1.0)
+        state["log"].append(float(total))
+
+    runner = check(step)
+    assert runner["python_reads"] >= STEPS - 2 * WARMUP, runner  # these reads waited
+
+
+def test_a_branch_on_the_loss_against_a_running_average_runs_on_the_python_side():
+    """`if loss > avg` after backward: `gt` is a recipe over the loss (published by the forward)
+    and the average (known), so the read does not wait for the backward."""
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        if loss > state["avg"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            state["log"].append("clipped")
+        opt.step()
+        state["avg"] = 0.9 * state["avg"] + 0.1 * loss.detach()
+        state["log"].append(loss.detach())
+
+    runner = check(step)
+    assert runner["known_reads"] >= STEPS - 2 * WARMUP, runner
+    assert runner["python_reads"] <= 3 * WARMUP, runner
+
+
+def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
+    """`if x.mean() > 0` on the batch (a real tensor nothing writes): both ops run on the Python
+    side, without waiting for the previous iteration's step."""
+
+    class TwoPath(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.a(x) if x.mean() > 0 else self.b(x)
+            return self.out(torch.relu(h))
+
+    def step(model, opt, state, i):
+        x = DATA[i % 6] + (0.5 if i % 2 else -0.5)
+        loss = F.cross_entropy(model(x), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"].append(loss.detach())
+
+    def make_two_path():
+        torch.manual_seed(0)
+        model = TwoPath()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    runner = check(step, make_two_path)
+    assert runner["known_reads"] >= STEPS - 2 * WARMUP, runner
+
+
+def test_a_recipe_reads_its_inputs_as_they_were_when_the_op_ran():
+    """The op's inputs change after it ran and before the read: its placeholder input is
+    written in place (the recipe takes the value published before the write), a real tensor it
+    read is overwritten (the recipe took a copy), its own output is written (no recipe), and an
+    input that became known moves on (the recipe takes the value at its index, not the copy)."""
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        scaled = loss.detach() * 1.0
+        threshold = torch.tensor(1.3)
+        above = scaled > threshold   # a recipe: scaled (published), threshold (a copy)
+        shifted = scaled + 0.25      # a recipe whose output is written below
+        scaled.mul_(3.0)             # written after both ops read it
+        threshold.fill_(100.0)       # overwritten after `above` read it
+        shifted.sub_(1.0)            # its recipe no longer gives its value
+        base = loss.detach() * 1.0
+        tripled = base * 3.0         # a recipe over base
+        first = float(base)          # base becomes known ...
+        base.add_(1.0)               # ... and its known copy moves on: tripled reads the old one
+        state["log"].append((bool(above), float(shifted), float(scaled), first, float(tripled), float(base)))
+
+    check(step)
