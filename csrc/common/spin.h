@@ -13,11 +13,9 @@
 // single CPU a spinner only delays the thread it waits for, so the default there is 0.
 #pragma once
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 #include <thread>
 
 #include "common/clock.h"
@@ -67,23 +65,6 @@ bool spin_until(Ready&& ready, std::chrono::nanoseconds budget) {
       if (now >= yield_after) std::this_thread::yield();
     }
   }
-}
-
-// Locks `mu`, trying for a short while first. The value table's mutex is held for microseconds
-// at a time, by both threads; a thread that sleeps on it costs the holder a futex wake-up at
-// unlock (ValueTable::sweep spent 10 us of a 14 us walk in pthread_mutex_unlock while the graph
-// published, branches program, 2 cores) and itself a reschedule.
-template <class Mutex>
-std::unique_lock<Mutex> lock_spinning(Mutex& mu, std::chrono::nanoseconds budget = std::chrono::microseconds(20)) {
-  if (!mu.try_lock() && !spin_until([&] { return mu.try_lock(); }, std::min(budget, spin_budget()))) mu.lock();
-  return std::unique_lock<Mutex>(mu, std::adopt_lock);
-}
-
-// Locks the mutex of `lock` again (it is unlocked) the same way.
-template <class Mutex>
-void relock_spinning(std::unique_lock<Mutex>& lock) {
-  Mutex* mu = lock.release();
-  lock = lock_spinning(*mu);
 }
 
 }  // namespace terra::common

@@ -27,7 +27,7 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
   at::Tensor dropped;  // dies after the lock is released
   bool wake = false;
   {
-    const auto lock = common::lock_spinning(mu_);
+    std::lock_guard lock(mu_);
     const int64_t index = published_++;
     Entry& e = *entries_.try_emplace(index).first;
     e.published = true;
@@ -53,7 +53,7 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
 
 int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
   at::Tensor dropped;
-  const auto lock = common::lock_spinning(mu_);
+  std::lock_guard lock(mu_);
   const int64_t index = expected_++;
   Entry& e = *entries_.try_emplace(index).first;
   if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
@@ -181,7 +181,7 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
 
 void ValueTable::sweep() {
   std::vector<at::Tensor> dropped;
-  const auto lock = common::lock_spinning(mu_);
+  std::lock_guard lock(mu_);
   // Keeps the indices of `list` whose entries may still be needed (in place), drops the rest.
   auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
     size_t kept = 0;
