@@ -52,14 +52,13 @@ void ValueTable::publish(int64_t tag, at::Tensor value) {
 }
 
 int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
-  at::Tensor dropped;
-  std::lock_guard lock(mu_);
   const int64_t index = expected_++;
-  Entry& e = *entries_.try_emplace(index).first;
-  if (e.published && e.tag != tag) mismatch(index, tag, e.tag);
-  e.tag = tag;
-  e.expected = true;
+  Claim& c = claims_.emplace_back();
+  c.index = index;
+  c.holder = holder.defined();
+  c.entry.tag = tag;
   if (holder.defined() && holder.has_storage()) {
+    Entry& e = c.entry;
     e.holder.emplace(holder.getIntrusivePtr());
     const c10::Storage& storage = holder.unsafeGetTensorImpl()->unsafe_storage();
     if (storage.data() == nullptr) e.storage.emplace(storage.getWeakStorageImpl());
@@ -68,17 +67,50 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
     e.strides.assign(holder.strides().begin(), holder.strides().end());
     e.storage_offset = holder.storage_offset();
   }
-  if (e.published && !holder.defined()) {
-    dropped = std::move(e.value);
-    entries_.erase(index);
-  } else if (holder.defined()) {
-    held_.push_back(index);
+  if (claims_.size() >= kStagedClaims) {
+    std::vector<at::Tensor> dropped;
+    std::lock_guard lock(mu_);
+    apply_claims(dropped);
   }
   return index;
 }
 
+void ValueTable::apply_claims(std::vector<at::Tensor>& dropped) {
+  if (claims_.empty()) return;
+  struct Done {  // also when a claim raises a mismatch: no claim is applied twice
+    std::vector<Claim>& claims;
+    ~Done() { claims.clear(); }
+  } done{claims_};
+  for (Claim& c : claims_) claim(c, dropped);
+}
+
+void ValueTable::claim(Claim& c, std::vector<at::Tensor>& dropped) {
+  const int64_t index = c.index;
+  if (c.retire) return retire_now(index, dropped);
+  Entry& e = *entries_.try_emplace(index).first;
+  if (e.published && e.tag != c.entry.tag) mismatch(index, c.entry.tag, e.tag);
+  e.tag = c.entry.tag;
+  e.expected = true;
+  if (c.entry.holder) {
+    e.holder = std::move(c.entry.holder);
+    e.storage = std::move(c.entry.storage);
+    e.options = c.entry.options;
+    e.sizes = std::move(c.entry.sizes);
+    e.strides = std::move(c.entry.strides);
+    e.storage_offset = c.entry.storage_offset;
+  }
+  if (e.published && !c.holder) {
+    dropped.push_back(std::move(e.value));
+    entries_.erase(index);
+  } else if (c.holder) {
+    held_.push_back(index);
+  }
+}
+
 void ValueTable::pin(int64_t index) {
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   std::lock_guard lock(mu_);
+  apply_claims(staged_out);
   ++entries_.try_emplace(index).first->pins;
 }
 
@@ -97,8 +129,17 @@ std::optional<at::Tensor> ValueTable::take(int64_t index) {
 }
 
 void ValueTable::retire(int64_t index) {
-  at::Tensor dropped;
-  std::lock_guard lock(mu_);
+  Claim& c = claims_.emplace_back();  // staged like a claim, in order with them
+  c.index = index;
+  c.retire = true;
+  if (claims_.size() >= kStagedClaims) {
+    std::vector<at::Tensor> dropped;
+    std::lock_guard lock(mu_);
+    apply_claims(dropped);
+  }
+}
+
+void ValueTable::retire_now(int64_t index, std::vector<at::Tensor>& dropped) {
   Entry* e = entries_.find(index);
   if (e == nullptr) return;
   if (e->pins > 0) {
@@ -106,7 +147,7 @@ void ValueTable::retire(int64_t index) {
     return;
   }
   if (e->published) {
-    dropped = std::move(e->value);
+    dropped.push_back(std::move(e->value));
     entries_.erase(index);
   } else {
     e->holder.reset();  // the graph's value is dropped when it arrives
@@ -114,8 +155,10 @@ void ValueTable::retire(int64_t index) {
   }
 }
 
-std::optional<at::Tensor> ValueTable::value(int64_t index) const {
+std::optional<at::Tensor> ValueTable::value(int64_t index) {
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   std::lock_guard lock(mu_);
+  apply_claims(staged_out);
   const Entry* e = entries_.find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   return e->value;
@@ -130,20 +173,21 @@ bool ValueTable::spin_published(int64_t count, std::chrono::nanoseconds budget) 
   return common::spin_until([&] { return published_seen_.load(std::memory_order_acquire) >= count; }, budget);
 }
 
-std::optional<int64_t> ValueTable::tag_at(int64_t index) const {
+std::optional<int64_t> ValueTable::tag_at(int64_t index) {
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   std::lock_guard lock(mu_);
+  apply_claims(staged_out);
   const Entry* e = entries_.find(index);
   if (e == nullptr || !e->expected) return std::nullopt;
   return e->tag;
 }
 
-int64_t ValueTable::expected() const {
-  std::lock_guard lock(mu_);
-  return expected_;
-}
+int64_t ValueTable::expected() const { return expected_; }
 
 bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   std::unique_lock lock(mu_);
+  apply_claims(staged_out);
   if (published_ >= count) return true;
   waiting_for_ = count;
   const bool reached = cv_.wait_for(lock, slice, [&] { return published_ >= count; });
@@ -151,10 +195,12 @@ bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
   return reached;
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
+std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() {
   std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   {
     std::lock_guard lock(mu_);
+    apply_claims(staged_out);
     entries_.for_each([&](int64_t index, const Entry& e) {
       if (!e.published || !e.holder || !e.value.defined()) return;
       if (auto impl = e.holder->lock()) {
@@ -182,6 +228,7 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() const {
 void ValueTable::sweep() {
   std::vector<at::Tensor> dropped;
   std::lock_guard lock(mu_);
+  apply_claims(dropped);
   // Keeps the indices of `list` whose entries may still be needed (in place), drops the rest.
   auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
     size_t kept = 0;
@@ -210,6 +257,7 @@ void ValueTable::clear() {
   common::FlatMap<int64_t, Entry> dropped;  // dies after the lock is released
   std::lock_guard lock(mu_);
   std::swap(dropped, entries_);
+  claims_.clear();
   held_.clear();
   old_held_.clear();
   old_checked_ = 0;
@@ -219,8 +267,10 @@ void ValueTable::clear() {
   waiting_for_ = 0;
 }
 
-size_t ValueTable::size() const {
+size_t ValueTable::size() {
+  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   std::lock_guard lock(mu_);
+  apply_claims(staged_out);
   return entries_.size();
 }
 
