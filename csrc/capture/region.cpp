@@ -1,6 +1,7 @@
 #include "capture/region.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
@@ -494,13 +495,34 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
 
 void Region::check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                          c10::ArrayRef<c10::IValue> args) {
-  hook_->materialize_inputs(args);  // everything Python validated has run; the graph waits at this op's gate
+  // An op that checks only its indices needs the values of those alone: its floating-point
+  // tensors are stood in for by uninitialized ones of the same layout, so the check does not wait
+  // for the graph to finish writing them (an embedding's weight, which the previous iteration's
+  // optimizer step updates).
+  const bool index_only = checks_only_index_values(op);
+  auto shape_only = [&](const c10::IValue& a) {
+    if (!index_only || !a.isTensor()) return false;
+    const at::Tensor& t = a.toTensor();
+    return t.defined() && (t.is_floating_point() || t.is_complex());
+  };
+  if (index_only) {
+    c10::SmallVector<c10::IValue, 6> needed;
+    for (const c10::IValue& a : args) needed.push_back(shape_only(a) ? c10::IValue() : a);
+    hook_->materialize_inputs(needed);
+  } else {
+    hook_->materialize_inputs(args);  // everything Python validated has run; the graph waits at this op's gate
+  }
   const c10::FunctionSchema& schema = op.schema();
   torch::jit::Stack probe;
   probe.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::AliasInfo* alias = i < schema.arguments().size() ? schema.arguments()[i].alias_info() : nullptr;
-    if (alias != nullptr && alias->isWrite() && args[i].isTensor() && args[i].toTensor().defined()) {
+    if (shape_only(args[i])) {
+      const at::Tensor& t = args[i].toTensor();
+      SuspendGuard no_interception;
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      probe.emplace_back(at::empty_strided(t.sizes(), t.strides(), t.options()));
+    } else if (alias != nullptr && alias->isWrite() && args[i].isTensor() && args[i].toTensor().defined()) {
       SuspendGuard no_interception;
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
       probe.emplace_back(args[i].toTensor().clone());  // the graph writes the real one

@@ -19,6 +19,12 @@ namespace terra::capture {
 
 bool checks_argument_values(const c10::OperatorHandle& op);
 
+// Whether such an op checks only the values of its integer and boolean tensors (indices,
+// targets, masks, counts): an index out of range raises whatever the floating-point tensors hold,
+// so a check needs only their shapes (embedding's weight, nll_loss's input). False for the ops
+// that check floating-point values (binary_cross_entropy, the factorizations, the asserts).
+bool checks_only_index_values(const c10::OperatorHandle& op);
+
 // Names one op at one program location across the iterations of a process (the operator's
 // schema lives as long as its registration): the unit co-execution learns "raised here" for.
 inline uint64_t check_key(uint64_t location, const c10::OperatorHandle& op) {

@@ -146,6 +146,10 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   wait_for_graph(horizon);
   auto give_value = [&](const at::Tensor& t) {
     if (!t.defined()) return;
+    // Memory nothing has written holds the value (read_horizon): a view of a real tensor.
+    if (t.has_storage() && t.unsafeGetTensorImpl()->unsafe_storage().data() != nullptr && known_values_enabled_ &&
+        !known_.ever_written(t))
+      return;
     if (const auto linked = linked_index(t)) {
       std::optional<at::Tensor> v = values_->value(*linked);
       TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep a value Python reads");
@@ -293,7 +297,11 @@ int64_t PythonRunner::read_horizon(c10::ArrayRef<c10::IValue> args) const {
   int64_t need = 0;
   auto reaches = [&](const at::Tensor& t) {
     if (!t.defined()) return true;
-    if (!capture::is_placeholder(t) || known_.ever_written(t)) return false;
+    if (known_.ever_written(t)) return false;
+    // Memory no co-executed op wrote holds the value now (KnownValues::fresh): a real tensor's,
+    // and a placeholder's that is a view of one (the batch `ids[i]` an embedding's check reads).
+    if (t.unsafeGetTensorImpl()->unsafe_storage().data() != nullptr) return true;
+    if (!capture::is_placeholder(t)) return false;
     const std::optional<int64_t> linked = linked_index(t);
     if (!linked) return false;
     need = std::max(need, *linked + 1);

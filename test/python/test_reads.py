@@ -171,3 +171,42 @@ def test_a_recipe_reads_its_inputs_as_they_were_when_the_op_ran():
         state["log"].append((bool(above), float(shifted), float(scaled), first, float(tripled), float(base)))
 
     check(step)
+
+
+def test_a_checked_embedding_waits_for_its_indices_only():
+    """try/except around an embedding whose batches are sometimes out of range: the check runs
+    the embedding on the real indices with a stand-in weight, so it does not wait for the
+    previous step to finish writing the weight; it raises in the same iterations as eager."""
+
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 4)
+            self.bad = 0
+
+        def forward(self, ids):
+            try:
+                e = self.emb(ids)
+            except (IndexError, RuntimeError):
+                self.bad += 1
+                e = self.emb(ids.clamp(0, 9))
+            return self.head(e.mean(dim=1))
+
+    ids = torch.randint(0, 10, (6, 16, 5), generator=torch.Generator().manual_seed(6))
+    ids[3, 0, 0] = 12  # one batch in six is out of range
+
+    def make_bag():
+        torch.manual_seed(0)
+        model = Bag()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(ids[i % 6]), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"].append(loss.detach())
+        state["log"].append(model.bad)
+
+    runner = check(step, make_bag)
+    assert runner["early_reads"] >= STEPS - 2 * WARMUP, runner
