@@ -104,6 +104,8 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
 
 void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link) {
   planned_.reset();
+  // (First what most ops fail: an optimizer's ops write their arguments.)
+  if (capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
   Recipe r;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& a = args[i];
@@ -143,7 +145,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
     }
     r.args.emplace_back();  // (filled in when the recipe runs)
   }
-  if (r.inputs.empty() || capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
+  if (r.inputs.empty()) return;
   r.op = op;
   planned_ = std::move(r);
 }
