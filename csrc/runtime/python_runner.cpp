@@ -152,6 +152,11 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
       return;
     if (const auto linked = linked_index(t)) {
       std::optional<at::Tensor> v = values_->value(*linked);
+      if (!v && horizon < all) {
+        // (Not expected: read_horizon's rules say the value is there. The general rule then.)
+        wait_for_graph(all);
+        v = values_->value(*linked);
+      }
       TORCH_CHECK(v.has_value(), "terra_torch internal error: the graph did not keep a value Python reads");
       refresh(t, *v);
     } else {
