@@ -43,8 +43,7 @@ bool KnownValues::fresh(const at::Tensor& t) const {
   // A real small CPU tensor that no co-executed op ever wrote (torch.tensor(1.0), made by Python
   // outside the interceptor): only such ops leave writes pending in the graph, so its memory is
   // its value now. Written storages are remembered, so a view of a written tensor is not fresh.
-  return small_cpu(t) && !capture::is_placeholder(t) && t.has_storage() && t.data_ptr() != nullptr &&
-         !written_overflow_ && !was_written(t.storage().unsafeGetStorageImpl());
+  return small_cpu(t) && !capture::is_placeholder(t) && memory_is_value(t);
 }
 
 bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph) {
@@ -133,7 +132,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
       if (!index && !has_recipe) return;
       r.inputs.push_back({i, true, index.value_or(-1), t._version(), WeakImpl(t.getIntrusivePtr()), t.storage()});
       r.needs_graph |= !has_recipe;
-    } else if (t.has_storage() && t.data_ptr() != nullptr && !t.is_inference() && !ever_written(t)) {
+    } else if (!t.is_inference() && memory_is_value(t)) {
       // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
       if (n <= kMaxKnownElements) {
         r.args.emplace_back(copy_of(t));
@@ -179,8 +178,8 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
   if (depth >= kMaxRecipeDepth) return false;
   const Recipe* found = recipes_.find(t.unsafeGetTensorImpl());
   // A recipe gives the value its op computed: still `t`'s only while nothing wrote `t` since.
-  if (found == nullptr || !found->impl || found->impl->_unsafe_get_target() != t.unsafeGetTensorImpl() ||
-      found->impl->expired() || found->version != t._version() || ever_written(t))
+  // (Keyed by address: a live `impl` is `t` itself.)
+  if (found == nullptr || !found->impl || found->impl->expired() || found->version != t._version() || ever_written(t))
     return false;
   // (Copied: the recursion below may add to known_, and resolving may wait for the graph.)
   const c10::OperatorHandle op = *found->op;

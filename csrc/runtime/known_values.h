@@ -75,13 +75,17 @@ class KnownValues {
   void plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link);
   void keep_recipe(c10::ArrayRef<at::Tensor> outputs);
   void drop_planned() { planned_.reset(); }
-  bool has_recipes() const { return !recipes_.empty(); }
   // A tensor a co-executed op writes (the graph writes it later): it is never fresh.
   void note_written(const at::Tensor& t);
   // Whether some co-executed op wrote `t`'s storage (through `t` or any view of it); true when
   // that can no longer be told (too many written storages).
   bool ever_written(const at::Tensor& t) const {
     return written_overflow_ || !t.has_storage() || was_written(t.storage().unsafeGetStorageImpl());
+  }
+  // `t`'s memory holds its value now: it has memory, and no co-executed op wrote that storage
+  // (only such ops leave writes pending in the graph). A real tensor nothing wrote, a view of one.
+  bool memory_is_value(const at::Tensor& t) const {
+    return !ever_written(t) && t.unsafeGetTensorImpl()->unsafe_storage().data() != nullptr;
   }
   // After an op Python answered with placeholders, whose arguments substitute() replaced in
   // `known`: runs it on them (below autograd, without interception) and keeps the results as

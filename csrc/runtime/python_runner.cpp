@@ -146,10 +146,7 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   wait_for_graph(horizon);
   auto give_value = [&](const at::Tensor& t) {
     if (!t.defined()) return;
-    // Memory nothing has written holds the value (read_horizon): a view of a real tensor.
-    if (t.has_storage() && t.unsafeGetTensorImpl()->unsafe_storage().data() != nullptr && known_values_enabled_ &&
-        !known_.ever_written(t))
-      return;
+    if (known_values_enabled_ && known_.memory_is_value(t)) return;  // (read_horizon: a view of a real tensor)
     if (const auto linked = linked_index(t)) {
       std::optional<at::Tensor> v = values_->value(*linked);
       if (!v && horizon < all) {
@@ -182,9 +179,8 @@ bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<
   known_.drop_planned();
   if (!known_values_enabled_ || diverged_) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
+  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
   if (read) {
-    if (known_.empty() && !known_.has_recipes()) return false;
-    known_.settle();
     auto published = [this](int64_t index) -> std::optional<at::Tensor> {
       wait_for_graph(index + 1);
       return values_->value(index);
@@ -194,8 +190,7 @@ bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<
     ++stats_.known_reads;
     return true;
   }
-  if (!known_.empty()) known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
-  if (known_.empty() || !known_.substitute(args, out)) {
+  if (!known_.substitute(args, out)) {
     known_.plan_recipe(op, args, link);  // (kept by outputs() if its one output is small)
     return false;
   }
@@ -302,11 +297,9 @@ int64_t PythonRunner::read_horizon(c10::ArrayRef<c10::IValue> args) const {
   int64_t need = 0;
   auto reaches = [&](const at::Tensor& t) {
     if (!t.defined()) return true;
-    if (known_.ever_written(t)) return false;
-    // Memory no co-executed op wrote holds the value now (KnownValues::fresh): a real tensor's,
-    // and a placeholder's that is a view of one (the batch `ids[i]` an embedding's check reads).
-    if (t.unsafeGetTensorImpl()->unsafe_storage().data() != nullptr) return true;
-    if (!capture::is_placeholder(t)) return false;
+    // A real tensor's memory, or a view's of one (the batch `ids[i]` an embedding's check reads).
+    if (known_.memory_is_value(t)) return true;
+    if (known_.ever_written(t) || !capture::is_placeholder(t)) return false;
     const std::optional<int64_t> linked = linked_index(t);
     if (!linked) return false;
     need = std::max(need, *linked + 1);

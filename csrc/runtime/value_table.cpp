@@ -7,6 +7,7 @@
 #include "common/spin.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 
 #include <c10/core/DispatchKeySet.h>
@@ -67,12 +68,22 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
     e.strides.assign(holder.strides().begin(), holder.strides().end());
     e.storage_offset = holder.storage_offset();
   }
-  if (claims_.size() >= kStagedClaims) {
-    std::vector<at::Tensor> dropped;
-    std::lock_guard lock(mu_);
-    apply_claims(dropped);
-  }
+  apply_if_full();
   return index;
+}
+
+size_t ValueTable::claim_batch() {
+  // TERRA_STAGED_CLAIMS=0 applies every claim at once, under the lock (to compare).
+  static const size_t batch = [] {
+    const char* v = std::getenv("TERRA_STAGED_CLAIMS");
+    return v != nullptr && std::string(v) == "0" ? size_t{1} : kStagedClaims;
+  }();
+  return batch;
+}
+
+void ValueTable::apply_if_full() {
+  if (claims_.size() < claim_batch()) return;
+  const PythonLock lock(*this);
 }
 
 void ValueTable::apply_claims(std::vector<at::Tensor>& dropped) {
@@ -108,9 +119,7 @@ void ValueTable::claim(Claim& c, std::vector<at::Tensor>& dropped) {
 }
 
 void ValueTable::pin(int64_t index) {
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
-  std::lock_guard lock(mu_);
-  apply_claims(staged_out);
+  const PythonLock lock(*this);
   ++entries_.try_emplace(index).first->pins;
 }
 
@@ -132,11 +141,7 @@ void ValueTable::retire(int64_t index) {
   Claim& c = claims_.emplace_back();  // staged like a claim, in order with them
   c.index = index;
   c.retire = true;
-  if (claims_.size() >= kStagedClaims) {
-    std::vector<at::Tensor> dropped;
-    std::lock_guard lock(mu_);
-    apply_claims(dropped);
-  }
+  apply_if_full();
 }
 
 void ValueTable::retire_now(int64_t index, std::vector<at::Tensor>& dropped) {
@@ -156,9 +161,7 @@ void ValueTable::retire_now(int64_t index, std::vector<at::Tensor>& dropped) {
 }
 
 std::optional<at::Tensor> ValueTable::value(int64_t index) {
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
-  std::lock_guard lock(mu_);
-  apply_claims(staged_out);
+  const PythonLock lock(*this);
   const Entry* e = entries_.find(index);
   if (e == nullptr || !e->published) return std::nullopt;
   return e->value;
@@ -174,9 +177,7 @@ bool ValueTable::spin_published(int64_t count, std::chrono::nanoseconds budget) 
 }
 
 std::optional<int64_t> ValueTable::tag_at(int64_t index) {
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
-  std::lock_guard lock(mu_);
-  apply_claims(staged_out);
+  const PythonLock lock(*this);
   const Entry* e = entries_.find(index);
   if (e == nullptr || !e->expected) return std::nullopt;
   return e->tag;
@@ -185,9 +186,8 @@ std::optional<int64_t> ValueTable::tag_at(int64_t index) {
 int64_t ValueTable::expected() const { return expected_; }
 
 bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
-  std::unique_lock lock(mu_);
-  apply_claims(staged_out);
+  PythonLock python(*this);
+  std::unique_lock<std::mutex>& lock = python.lock;
   if (published_ >= count) return true;
   waiting_for_ = count;
   const bool reached = cv_.wait_for(lock, slice, [&] { return published_ >= count; });
@@ -197,10 +197,8 @@ bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
 
 std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() {
   std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
   {
-    std::lock_guard lock(mu_);
-    apply_claims(staged_out);
+    const PythonLock lock(*this);
     entries_.for_each([&](int64_t index, const Entry& e) {
       if (!e.published || !e.holder || !e.value.defined()) return;
       if (auto impl = e.holder->lock()) {
@@ -226,9 +224,8 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() {
 }
 
 void ValueTable::sweep() {
-  std::vector<at::Tensor> dropped;
-  std::lock_guard lock(mu_);
-  apply_claims(dropped);
+  PythonLock python(*this);
+  std::vector<at::Tensor>& dropped = python.dropped;
   // Keeps the indices of `list` whose entries may still be needed (in place), drops the rest.
   auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
     size_t kept = 0;
@@ -268,9 +265,7 @@ void ValueTable::clear() {
 }
 
 size_t ValueTable::size() {
-  std::vector<at::Tensor> staged_out;  // dies after the lock is released
-  std::lock_guard lock(mu_);
-  apply_claims(staged_out);
+  const PythonLock lock(*this);
   return entries_.size();
 }
 

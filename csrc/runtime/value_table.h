@@ -41,7 +41,7 @@ class ValueTable {
   // Claims the next index for a value with `tag`; `holder` (the placeholder, or undefined when
   // Python keeps nothing) decides how long the value stays. Returns the index. Takes no lock:
   // claims are staged and applied in batches (every kStagedClaims, and before any other Python
-  // call), as if Python had reached them then; a value the graph publishes first stays until its
+  // call, PythonLock), as if Python had reached them then; a value the graph publishes first stays until its
   // claim arrives. A claim per op took the lock the graph publishes under once per op: 37 us of a
   // 390 us Adam step went to expect(), 20 of them in lock and unlock (the demo's MLP, perf).
   int64_t expect(int64_t tag, const at::Tensor& holder);
@@ -112,9 +112,18 @@ class ValueTable {
     Entry entry;          // tag, and the holder's fields when it has storage
   };
   static constexpr size_t kStagedClaims = 32;
+  static size_t claim_batch();  // kStagedClaims, or 1 with TERRA_STAGED_CLAIMS=0
   // Applies the staged claims (under mu_); values they drop go to `dropped`, to die after the
   // lock is released.
   void apply_claims(std::vector<at::Tensor>& dropped);
+  void apply_if_full();  // after staging one: applies them once claim_batch() are staged
+  // The lock of a Python-side call, the staged claims applied first. What they drop dies after
+  // the lock is released (members are destroyed in reverse order, also when a claim throws).
+  struct PythonLock {
+    std::vector<at::Tensor> dropped;
+    std::unique_lock<std::mutex> lock;
+    explicit PythonLock(ValueTable& t) : lock(t.mu_) { t.apply_claims(dropped); }
+  };
   void claim(Claim& c, std::vector<at::Tensor>& dropped);  // under mu_
   void retire_now(int64_t index, std::vector<at::Tensor>& dropped);  // under mu_
 

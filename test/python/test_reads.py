@@ -47,6 +47,15 @@ def run(step: Callable[..., Any], terra: bool, make: Make) -> tuple[list[Any], l
     return log, [p.detach().clone() for p in model.parameters()], stats
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, i: int) -> torch.Tensor:
+    """Forward, zero_grad, backward, step; returns the loss."""
+    loss = F.cross_entropy(model(x), LABELS[i % 6])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def check(step: Callable[..., Any], make: Make = mlp) -> dict[str, Any]:
     eager_log, eager_params, _ = run(step, False, make)
     terra_log, terra_params, stats = run(step, True, make)
@@ -63,10 +72,7 @@ def test_loss_item_after_the_step_waits_only_for_the_forward():
     """`total += loss.item()` after `opt.step()`: the loss was published by the forward."""
 
     def step(model, opt, state, i):
-        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, DATA[i % 6], i)
         state["log"].append(loss.item())
 
     runner = check(step)
@@ -83,10 +89,7 @@ def test_a_read_after_a_write_through_a_view_waits_for_the_write():
     reach the write milliseconds after `total`, and such a read 1 too little every time."""
 
     def step(model, opt, state, i):
-        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, DATA[i % 6], i)
         total = loss.detach() * 2
         state["log"].append((HEAVY @ HEAVY @ HEAVY).sum().detach())
         total.view(1).add_(1.0)
@@ -131,10 +134,7 @@ def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
 
     def step(model, opt, state, i):
         x = DATA[i % 6] + (0.5 if i % 2 else -0.5)
-        loss = F.cross_entropy(model(x), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, x, i)
         state["log"].append(loss.detach())
 
     def make_two_path():
@@ -153,10 +153,7 @@ def test_a_recipe_reads_its_inputs_as_they_were_when_the_op_ran():
     input that became known moves on (the recipe takes the value at its index, not the copy)."""
 
     def step(model, opt, state, i):
-        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, DATA[i % 6], i)
         scaled = loss.detach() * 1.0
         threshold = torch.tensor(1.3)
         above = scaled > threshold   # a recipe: scaled (published), threshold (a copy)
@@ -201,10 +198,7 @@ def test_a_checked_embedding_waits_for_its_indices_only():
         return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
     def step(model, opt, state, i):
-        loss = F.cross_entropy(model(ids[i % 6]), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, ids[i % 6], i)
         state["log"].append(loss.detach())
         state["log"].append(model.bad)
 
