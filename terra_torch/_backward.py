@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.variable import Variable
 
-from terra_torch import runtime
+from terra_torch import _data_parallel, runtime
 
 
 # TERRA_BACKWARD_REPLAY=0 keeps every backward() on the per-op path (to compare the two).
@@ -36,23 +36,28 @@ class _Engine:
         program = runtime.active()
         region = program._region if enabled and program is not None and program.phase == "coexec" else None
         session = None
+        path = None
         if region is not None and all(isinstance(t, torch.Tensor) for t in tensors):
             session = program._session
             path = session.backward_begin(region, list(tensors), list(grad_tensors), bool(keep_graph),
                                           bool(create_graph), bool(inputs), bool(accumulate_grad))
-            if path == "replayed":
-                return ()
-        # One call site for every path: this frame is part of the location of each backward op
-        # (docs/LOCATIONS.md), so it must not differ between traced and co-executed iterations.
-        completed = False
-        try:
-            result = self._engine.run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs,
-                                               allow_unreachable, accumulate_grad)
-            completed = True
-            return result
-        finally:
-            if session is not None:
-                session.backward_end(region, completed)
+        result: Any = ()
+        if path != "replayed":
+            # One call site for every path: this frame is part of the location of each backward op
+            # (docs/LOCATIONS.md), so it must not differ between traced and co-executed iterations.
+            completed = False
+            try:
+                result = self._engine.run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs,
+                                                   allow_unreachable, accumulate_grad)
+                completed = True
+            finally:
+                if session is not None:
+                    session.backward_end(region, completed)
+        if accumulate_grad and not inputs:
+            # terra_torch.wrap(DDP(model)) reduces gradients here, whichever path ran (one call
+            # site: the location of its ops must not depend on the path).
+            _data_parallel.after_backward(tensors)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

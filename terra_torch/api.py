@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from terra_torch import _C, runtime
+from terra_torch import _C, _data_parallel, runtime
 from terra_torch.runtime import Program, Stats
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,12 +47,22 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
     program = Program(type(model).__name__, mode, optimize, speed_check)
-    distributed = _distributed_wrapper(model)
-    if distributed is not None:
-        # DDP's reducer runs in backward, reads gradients' memory directly and launches
-        # collectives the interceptor cannot follow yet (issue 19): correct results come first.
-        reason = (f"{distributed} is not supported by co-execution yet (its reducer reads gradients' memory and "
-                  "runs collectives inside backward); this model runs eagerly")
+    lowering = None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # DDP's reducer is replaced by traceable ops (terra_torch/_data_parallel.py).
+        reason = _data_parallel.unsupported(model)
+        if reason is None:
+            lowering = _data_parallel.Lowering(model)
+            model.forward = lowering.forward  # type: ignore[method-assign]
+        else:
+            reason = f"DistributedDataParallel with {reason}; this model runs eagerly (DDP as usual)"
+            warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
+            program.run_eagerly(reason)
+    elif (distributed := _distributed_wrapper(model)) is not None:
+        # A data-parallel wrapper inside the model (or FSDP): its reducer runs in backward, reads
+        # gradients' memory and launches collectives on them; correct results come first.
+        reason = (f"{distributed} inside the wrapped module is not supported by co-execution (wrap the "
+                  "DistributedDataParallel module itself: terra_torch.wrap(DDP(model))); this model runs eagerly")
         warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
         program.run_eagerly(reason)
     # Calls in eval mode or under no_grad (a validation pass, a generate() loop) are a program of
@@ -67,12 +77,13 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
         return evaluation[0]
 
     def begin(module: torch.nn.Module, args: Any) -> None:
-        if program.phase != "eager" and (outer := _calling_data_parallel()) is not None:
+        if program.phase != "eager" and (outer := _calling_data_parallel(module)) is not None:
             # DDP(terra_torch.wrap(model)): the reducer's hooks launch collectives on gradient
             # buckets inside backward, which interception cannot run (c10d ops have no kernel
             # for its key): the same eager fallback as terra_torch.wrap(DDP(model)).
-            reason = (f"the wrapped model is called by {outer}, which co-execution does not support yet (its "
-                      "reducer runs collectives inside backward); this model runs eagerly")
+            reason = (f"the wrapped model is called by {outer}, whose reducer runs collectives inside backward; "
+                      "wrap the DistributedDataParallel module instead (terra_torch.wrap(DDP(model)) co-executes); "
+                      "this model runs eagerly")
             warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
             program.synchronize()
             program.run_eagerly(reason)
@@ -87,6 +98,7 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
             evaluation[0].synchronize()
 
     model._terra_program = program  # type: ignore[attr-defined]
+    model._terra_lowering = lowering  # type: ignore[attr-defined]
     model._terra_handles = [  # type: ignore[attr-defined]
         model.register_forward_pre_hook(begin),
         model.register_state_dict_pre_hook(sync_all),
@@ -103,7 +115,7 @@ def _is_data_parallel(obj: Any) -> bool:
     return name in _DATA_PARALLEL or name.startswith("FSDP")
 
 
-def _calling_data_parallel() -> str | None:
+def _calling_data_parallel(module: torch.nn.Module) -> str | None:
     """The data-parallel wrapper whose forward is calling the wrapped model, if any: among the
     torch frames right above the pre-hook (DDP.forward -> _run_ddp_forward -> Module.__call__).
     Looked for only once torch.distributed is initialized, and only up to the first frame
@@ -115,7 +127,7 @@ def _calling_data_parallel() -> str | None:
         if f is None or not f.f_code.co_filename.startswith(runtime._TORCH_DIR):
             break
         owner = f.f_locals.get("self")
-        if owner is not None and _is_data_parallel(owner):
+        if owner is not None and owner is not module and _is_data_parallel(owner):
             return type(owner).__name__
         f = f.f_back
     return None
@@ -138,6 +150,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     for h in model._terra_handles:  # type: ignore[attr-defined]
         h.remove()
     del model._terra_handles  # type: ignore[attr-defined]
+    lowering = getattr(model, "_terra_lowering", None)
+    if lowering is not None:  # DDP's own forward (and reducer) again
+        lowering.close()
+        del model.forward
+        model._terra_lowering = None  # type: ignore[attr-defined]
     model._terra_program = None  # type: ignore[attr-defined]
     return model
 

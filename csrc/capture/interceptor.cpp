@@ -28,12 +28,14 @@ bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
   return false;
 }
 
+}  // namespace
+
 // The open region, unless this op must go through untouched. Code that steps outside every
 // TorchDispatchMode (torch.tensor() filling its buffer, a mode's own handler) excludes the Python
 // key; we step aside for it too, so that we see exactly the ops a TorchDispatchMode would.
 // Ops a kernel issues while the region runs it for real (or while the region does its own work)
 // are the kernel's business, not the program's: they run untouched (Region::handling_on_this_thread).
-Region* intercepting() {
+Region* intercepting_region() {
   Region* region = active_region();
   if (region == nullptr || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python) ||
       Region::handling_on_this_thread())
@@ -41,8 +43,8 @@ Region* intercepting() {
   return region;
 }
 
-void terra_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (Region* region = intercepting()) {
+void intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (Region* region = intercepting_region()) {
     region->handle(op, ks, stack);
     return;
   }
@@ -50,6 +52,12 @@ void terra_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
               c10::toString(op.operator_name()),
               " received a placeholder tensor outside the capture region that produced it");
   run_real(op, ks, stack);
+}
+
+namespace {
+
+void terra_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  intercept(op, ks, stack);
 }
 
 // What torch's generated BackendSelect kernel does for a factory: the backend follows from the
@@ -78,7 +86,7 @@ void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   // Unlike terra_kernel, reaching this kernel does not mean our key is on: check the TLS (it is
   // off inside real kernels, under SuspendGuard).
   bool on = c10::impl::tls_local_dispatch_key_set().included_.has_backend(kTerraBackendBit);
-  if (Region* region = on ? intercepting() : nullptr) {
+  if (Region* region = on ? intercepting_region() : nullptr) {
     region->handle(op, ks, stack);
     return;
   }

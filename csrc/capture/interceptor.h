@@ -14,6 +14,16 @@ size_t install_interceptor();
 // Whether a schema type is, or holds, a Tensor (Tensor, Tensor?, Tensor[], Tensor?[], ...).
 bool type_contains_tensor(const c10::TypePtr& type);
 
+class Region;
+
+// The open region if this op is to be intercepted on this thread (not while a real kernel the
+// region runs issues its own ops, nor outside every TorchDispatchMode); else nullptr.
+Region* intercepting_region();
+
+// What terra's key does with an op: the open region handles it, or it runs for real. For direct
+// kernels on the key that handle some calls themselves and pass the rest on.
+void intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
 // Runs the real kernel of `op` below terra's key, with interception suspended.
 void run_real(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 

@@ -13,6 +13,7 @@
 #include <typeinfo>
 
 #include "capture/coexec_hook.h"
+#include "capture/collectives.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
@@ -436,11 +437,15 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     }
     return flat;
   };
-  if (needs_data && writes_an_argument(op)) {
+  if (needs_data && (writes_an_argument(op) || is_collective(op))) {
     // Run for real here, it would run again in the graph (which holds the node) and its write
-    // would happen twice: the rest of the iteration runs eagerly instead.
-    hook_->refuse(index, c10::toString(op.operator_name()) + " writes its arguments and has no shape without its data (" +
-                             inferred->reason + ")");
+    // would happen twice; a collective run here could overtake the graph's earlier ones (a read
+    // waits only for its own inputs). The rest of the iteration runs eagerly instead, after the
+    // graph has finished what Python validated.
+    hook_->refuse(index, c10::toString(op.operator_name()) +
+                             (is_collective(op) ? " is a collective co-execution does not lower (capture/collectives.h)"
+                                                : " writes its arguments") +
+                             " and has no shape without its data (" + inferred->reason + ")");
     mode_ = Mode::Record;
     return false;
   }
@@ -472,7 +477,8 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     return true;
   }
   // Never an op that draws random numbers: running it ahead of the graph would draw twice.
-  if ((rec.checked || hook_->check_first(rec)) && !op.hasTag(at::Tag::nondeterministic_seeded))
+  // Nor a collective: the other ranks would see it twice.
+  if ((rec.checked || hook_->check_first(rec)) && !op.hasTag(at::Tag::nondeterministic_seeded) && !is_collective(op))
     check_first(op, ks, rec, index, args);  // returns only if the op would not raise
   size_t num_outputs = 0;
   for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();

@@ -11,6 +11,7 @@
 
 #include <ATen/core/enum_tag.h>
 
+#include "capture/collectives.h"
 #include "capture/region.h"
 #include "capture/value_checks.h"
 #include "trace/hash.h"
@@ -142,7 +143,9 @@ trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, s
 }
 
 bool has_side_effect(const c10::OperatorHandle& op) {
-  return capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded);
+  // A collective is seen by the other ranks: run ahead of Python it would be issued again by
+  // Python after a divergence (capture/collectives.h).
+  return capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded) || capture::is_collective(op);
 }
 
 uint64_t operator_id(const c10::OperatorName& name) {

@@ -148,7 +148,7 @@ uint64_t operator_id(const c10::OperatorName& name);
 // terra::fetch itself (an explicit "Python reads this tensor" marker).
 bool is_read_op(const c10::FunctionSchema& schema);
 
-// Writes to one of its arguments or draws random numbers: in a co-execution graph it must not
+// Writes to one of its arguments, draws random numbers or is a collective: in a co-execution graph it must not
 // run before Python has validated it (a later divergence could not undo it).
 bool has_side_effect(const c10::OperatorHandle& op);
 

@@ -25,6 +25,7 @@
 #include "emit/scripted_channel.h"
 #include "python/bindings.h"
 #include "python/program_views.h"
+#include "runtime/backward_replay.h"
 #include "runtime/channels.h"
 #include "runtime/direct_graph.h"
 #include "runtime/executor.h"
@@ -282,6 +283,17 @@ at::Tensor wait_fetch(ConcurrentChannel& c, int64_t slot, std::optional<double> 
 
 void init_runtime(py::module_& m) {
   py::module_ r = m.def_submodule("runtime", "Co-execution runtime: channel and GraphRunner");
+
+  r.def(
+      "leaves_reached",
+      [](std::vector<at::Tensor> roots) {
+        runtime::BackwardCall call;
+        call.roots = std::move(roots);
+        return runtime::reach(call, /*whole_graph=*/true).leaves;
+      },
+      py::arg("roots"), "The leaves (AccumulateGrad variables) a backward() of `roots` would reach, hooks or not");
+  r.def("tolerate_idle_reducer_hooks", &runtime::tolerate_idle_reducer_hooks, py::arg("leaves"),
+        "DDP's idle reducer hooks on these leaves do not stop a backward replay (runtime/backward_replay.h)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

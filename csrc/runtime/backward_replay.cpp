@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <typeinfo>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "capture/placeholder.h"
@@ -33,13 +36,47 @@ using torch::autograd::Node;
 // dynamic type's name: libtorch_python does not export PyNode's type_info for a dynamic_cast.
 bool is_python_function(Node* node) { return std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") == 0; }
 
+// The AccumulateGrad nodes whose C++ post hooks are an idle DDP reducer's (see
+// tolerate_idle_reducer_hooks). Weak: a node that dies takes its entry's meaning with it.
+// (Nodes are held by std::shared_ptr up to torch 2.12, by c10::intrusive_ptr from 2.13 on.)
+using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+template <typename P>
+struct WeakOf;
+template <typename T>
+struct WeakOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T>
+struct WeakOf<c10::intrusive_ptr<T>> {
+  using type = c10::weak_intrusive_ptr<T>;
+};
+struct IdleReducerNodes {
+  std::mutex mu;
+  std::unordered_map<Node*, typename WeakOf<NodeRef>::type> nodes;
+};
+IdleReducerNodes& idle_reducer_nodes() {
+  static IdleReducerNodes registry;
+  return registry;
+}
+
+// Every post hook of `node` is a C++ lambda hook (what the reducer registers,
+// torch/csrc/autograd/utils/lambda_post_hook.h) on a node registered as an idle reducer's.
+bool only_idle_reducer_hooks(Node* node) {
+  for (const auto& hook : node->post_hooks())
+    if (std::strcmp(typeid(*hook).name(), "N5torch8autograd5utils14LambdaPostHookE") != 0) return false;
+  IdleReducerNodes& registry = idle_reducer_nodes();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  auto it = registry.nodes.find(node);
+  return it != registry.nodes.end() && !it->second.expired();
+}
+
 // Why Python code would run when the engine executes `node` (empty: it would not).
 std::string python_in(Node* node) {
   if (is_python_function(node))
     return "the backward runs a Python autograd.Function (" + node->name() + ")";
   if (!node->pre_hooks().empty() || !node->tensor_pre_hooks().empty()) return "a hook on " + node->name();
   if (!node->retains_grad_hooks().empty()) return "retain_grad() on an output of " + node->name();
-  if (!node->post_hooks().empty()) return "a hook on " + node->name();
+  if (!node->post_hooks().empty() && !only_idle_reducer_hooks(node)) return "a hook on " + node->name();
   if (node->tensor_post_acc_grad_hooks() != nullptr) return "a post-accumulate-grad hook on a leaf";
   return {};
 }
@@ -68,7 +105,7 @@ bool same_attribute(const c10::IValue& a, const c10::IValue& b, std::vector<int6
 
 }  // namespace
 
-AutogradReach reach(const BackwardCall& call) {
+AutogradReach reach(const BackwardCall& call, bool whole_graph) {
   AutogradReach out;
   std::unordered_set<Node*> seen;
   std::vector<Node*> stack;
@@ -86,10 +123,11 @@ AutogradReach reach(const BackwardCall& call) {
     Node* node = stack.back();
     stack.pop_back();
     out.nodes.push_back(node);
-    if (std::string why = python_in(node); !why.empty()) {
-      out.python = std::move(why);
-      return out;
-    }
+    if (out.python.empty())
+      if (std::string why = python_in(node); !why.empty()) {
+        out.python = std::move(why);
+        if (!whole_graph) return out;
+      }
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node); acc != nullptr && acc->variable.defined())
       out.leaves.push_back(acc->variable);
     const auto& edges = node->next_edges();
@@ -99,6 +137,17 @@ AutogradReach reach(const BackwardCall& call) {
     }
   }
   return out;
+}
+
+void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves) {
+  IdleReducerNodes& registry = idle_reducer_nodes();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  for (auto it = registry.nodes.begin(); it != registry.nodes.end();)
+    it = it->second.expired() ? registry.nodes.erase(it) : std::next(it);
+  for (const at::Tensor& leaf : leaves) {
+    NodeRef node = torch::autograd::impl::grad_accumulator(leaf);
+    if (node) registry.nodes.insert_or_assign(node.get(), typename WeakOf<NodeRef>::type(node));
+  }
 }
 
 void release_saved(const AutogradReach& reach) {

@@ -54,13 +54,22 @@ struct BackwardCall {
 
 // What the engine would reach from a call's roots: every autograd node, and the leaves (the
 // variables of the AccumulateGrad nodes) in the order a depth-first walk meets them. `python`
-// names the first thing that would run Python code during the backward (empty: nothing does).
+// names the first thing that would run Python code during the backward (empty: nothing does); the
+// walk stops there unless `whole_graph` (the data-parallel lowering asks which leaves a backward
+// reaches, hooks or not: terra_torch/_data_parallel.py).
 struct AutogradReach {
   std::vector<torch::autograd::Node*> nodes;  // valid while the roots are alive
   std::vector<at::Tensor> leaves;
   std::string python;
 };
-AutogradReach reach(const BackwardCall& call);
+AutogradReach reach(const BackwardCall& call, bool whole_graph = false);
+
+// DDP's reducer hooks every parameter's AccumulateGrad node (C++ post hooks). While no DDP
+// forward has prepared the reducer, each hook returns at once, or only updates the reducer's own
+// bookkeeping: terra_torch.wrap(DDP(model)) keeps it so (its forward runs the module directly and
+// reduces gradients itself, terra_torch/_data_parallel.py). Registered leaves' C++ lambda post
+// hooks therefore do not stop a replay; any other hook on them still does.
+void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves);
 
 // Ends the graph's life as the engine would after a backward without retain_graph: the saved
 // tensors of every reached node are released (a second backward through it raises eager's

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "capture/collectives.h"
 #include "capture/placeholder.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
@@ -151,11 +152,17 @@ std::string PythonRunner::describe_failure(const std::string& error) {
   const trace::NodeId node = static_cast<trace::NodeId>(*tag >> 8);
   const uint64_t key = program_.check_key(node);
   if (key == 0) return error;
-  program_.add_check(key);
   std::string where;
   if (node_frames_ != nullptr && node < node_frames_->size())
     for (const std::string& frame : (*node_frames_)[node]) where += "\n  " + frame;
   const emit::OpInfo* info = program_.info(node);
+  if (info != nullptr && capture::is_collective(info->op))
+    // Not the program's arguments but the process group: another rank failed, left or timed
+    // out. Nothing to check before the next run (a check would issue the collective twice).
+    return "terra_torch: the collective " + c10::toString(info->op.operator_name()) +
+           " failed in the graph (did another rank fail or leave?)" +
+           (where.empty() ? std::string() : ", issued at:" + where) + "\n" + error;
+  program_.add_check(key);
   return "terra_torch: " + (info ? c10::toString(info->op.operator_name()) : std::string("an op")) +
          " raised in the graph after Python had gone past it (no except clause of the program covers it, and it "
          "had not raised here before; from now on it is checked before the graph runs it)" +

@@ -1,0 +1,213 @@
+"""Data-parallel training loops as DDP users write them, run by test_distributed.py in 2 processes
+(gloo, loopback address), each first with eager DDP and then under terra_torch.wrap(DDP(model)).
+
+    python ddp_programs.py PORT SCENARIO[,SCENARIO...]   -> one JSON line per scenario and rank
+
+Each scenario returns what eager and terra must agree on bit for bit (losses, read values,
+parameters, gradients) plus terra's iteration counts. Fault scenarios report the exception each
+rank saw instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+STEPS = 60
+
+
+def make_data(rank: int, n: int = 4, batch: int = 8, features: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(100 * seed + rank)  # each rank its own shard
+    return [(torch.randn(batch, features, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class Branchy(nn.Module):
+    """Two heads, one of them used only on batches whose first feature sums above zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 3)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        if x[:, 0].sum() > 0:  # data-dependent: the ranks differ from step to step
+            return self.b(h)
+        return self.a(h)
+
+
+def snapshot(net: nn.Module) -> dict:
+    return {"params": [p.detach().flatten().tolist() for p in net.parameters()],
+            "grads": [None if p.grad is None else p.grad.flatten().tolist() for p in net.parameters()],
+            "buffers": [b.detach().flatten().tolist() for b in net.buffers()]}
+
+
+def run(scenario: str, rank: int, terra: bool) -> dict:
+    import terra_torch
+
+    torch.manual_seed(0)
+    kwargs = {}
+    if scenario == "unused":
+        net: nn.Module = Branchy()
+        kwargs["find_unused_parameters"] = True
+    elif scenario == "batchnorm":
+        net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    else:
+        net = mlp()
+    ddp = nn.parallel.DistributedDataParallel(net, **kwargs)
+    model = terra_torch.wrap(ddp, speed_check=False) if terra else ddp
+    if scenario == "batchnorm":
+        opt: torch.optim.Optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    elif scenario == "unused":
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    out: dict = {"losses": [], "reads": []}
+    data = make_data(rank)
+
+    if scenario == "sampler":
+        # A DistributedSampler-style split of one dataset: each rank its own indices.
+        g = torch.Generator().manual_seed(7)
+        xs, ys = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+        dataset = torch.utils.data.TensorDataset(xs, ys)
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
+        step = 0
+        for epoch in range(8):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out["losses"].append(loss.item())
+                step += 1
+    else:
+        for step in range(STEPS):
+            x, y = data[step % len(data)]
+            if scenario == "no_sync":
+                # Gradient accumulation: two micro-batches, the first without communication.
+                opt.zero_grad(set_to_none=step % 2 == 0)
+                with ddp.no_sync():
+                    F.cross_entropy(model(x[:4]), y[:4]).backward()
+                loss = F.cross_entropy(model(x[4:]), y[4:])
+                loss.backward()
+                opt.step()
+                out["losses"].append(loss.item())
+                continue
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if scenario == "rank_print":
+                if rank == 0 and step % 5 == 0:
+                    out["reads"].append(loss.item())  # only rank 0 reads, every 5 steps
+                continue
+            if scenario == "metric":
+                metric = loss.detach().clone()
+                dist.all_reduce(metric)  # a metric averaged over ranks, in the loop
+                if step % 3 == 0:
+                    out["reads"].append(metric.item() / 2)
+                continue
+            if scenario == "diverge" and rank == 1 and step == 30:
+                out["reads"].append((loss * 3).item())  # a path rank 1's graph has not seen
+            out["losses"].append(loss.item())
+    if terra:
+        terra_torch.synchronize()
+        out["iterations"] = dict(terra_torch.stats(model).iterations)
+        out["fallbacks"] = terra_torch.stats(model).fallbacks
+        out["why"] = [f"{f.iteration} {f.reason[:200]}" for f in model._terra_program.fallbacks]
+        out["backward"] = {k: v for k, v in terra_torch.stats(model).runner.items() if k.startswith("backward")}
+        terra_torch.unwrap(model)
+    out.update(snapshot(net))
+    return out
+
+
+def fault(scenario: str, rank: int, terra: bool) -> dict:
+    """One rank raises in its step (`raise`): every rank must get an error, none may hang."""
+    import terra_torch
+
+    torch.manual_seed(0)
+    net = mlp()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    model = terra_torch.wrap(ddp, speed_check=False) if terra else ddp
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    data = make_data(rank)
+    try:
+        for step in range(STEPS):
+            x, y = data[step % len(data)]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            if rank == 1 and step == 30:
+                raise ValueError("rank 1 fails in its step")
+            loss.backward()
+            opt.step()
+            loss.item()
+        if terra:
+            terra_torch.synchronize()
+    except Exception as e:  # noqa: BLE001 (what each rank saw is the result)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"error": None}
+
+
+def worker(rank: int, port: int, scenarios: list[str], queue) -> None:
+    # A rank that hangs prints where and exits (the test then fails on its missing report).
+    faulthandler.dump_traceback_later(200, exit=True)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        for scenario in scenarios:
+            if scenario == "raise":
+                result = {"terra": fault(scenario, rank, True)}
+            else:
+                result = {"eager": run(scenario, rank, False), "terra": run(scenario, rank, True)}
+            queue.put(json.dumps({"scenario": scenario, "rank": rank, **result}))
+        if "raise" not in scenarios:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        queue.put(json.dumps({"scenario": "?", "rank": rank, "crash": traceback.format_exc()[-3000:]}))
+    queue.put(json.dumps({"done": rank}))
+    if "raise" in scenarios:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # the process group is broken: do not wait for its peer at exit
+
+
+def main() -> None:
+    port, scenarios = int(sys.argv[1]), sys.argv[2].split(",")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, scenarios, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    done = 0
+    while done < 2:
+        line = queue.get(timeout=240)
+        if '"done"' in line:
+            done += 1
+        else:
+            print(line, flush=True)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
+if __name__ == "__main__":
+    main()
