@@ -87,6 +87,7 @@ def _worker(rank: int, args: argparse.Namespace, queue: Any) -> None:
                    else torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
             runs[mode] = (net, model, opt)
         times: dict[str, list[float]] = {"eager": [], "terra": []}
+        cpu: dict[str, list[float]] = {"eager": [], "terra": []}  # this process's CPU time, all threads
         offset = 0
         for mode in ("eager", "terra"):
             _, model, opt = runs[mode]
@@ -95,17 +96,20 @@ def _worker(rank: int, args: argparse.Namespace, queue: Any) -> None:
             for mode in ("eager", "terra"):
                 _, model, opt = runs[mode]
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 _steps(model, opt, data, args.steps, offset)
                 if mode == "terra":
                     terra_torch.synchronize()
+                c1 = time.process_time()
                 dist.barrier()
                 times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(c1 - c0)
             offset += args.steps
         # Each mode ran the same steps from the same start: the same parameters, bit for bit.
         same = all(torch.equal(a, b) for a, b in zip(runs["eager"][0].parameters(), runs["terra"][0].parameters()))
         stats = terra_torch.stats(runs["terra"][1])
         results[name] = {"eager_s": times["eager"], "terra_s": times["terra"], "bitwise": same,
+                         "eager_cpu_s": cpu["eager"], "terra_cpu_s": cpu["terra"],
                          "iterations": dict(stats.iterations), "fallbacks": stats.fallbacks,
                          "backward": {k: v for k, v in stats.runner.items() if k.startswith("backward")}}
         terra_torch.unwrap(runs["terra"][1])
@@ -128,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         p.join(timeout=60)
     load_after = os.getloadavg()
     table = {}
-    print(f"{'model':8} {'eager steps/s':>14} {'terra steps/s':>14} {'ratio':>6}  bitwise  co-executed")
+    print(f"{'model':8} {'eager steps/s':>14} {'terra steps/s':>14} {'ratio':>6}  bitwise  co-executed  "
+          "CPU ms/step per rank (eager, terra)")
     for name in args.models.split(","):
         r0, r1 = per_rank[0][name], per_rank[1][name]
         # A repetition ends when both ranks have finished it (they meet in a barrier anyway).
@@ -137,9 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         e, t = args.steps / statistics.median(eager), args.steps / statistics.median(terra)
         it = r0["iterations"]
         share = it.get("coexec", 0) / max(1, sum(it.values()))
-        table[name] = {"eager_steps_s": e, "terra_steps_s": t, "ratio": t / e,
-                       "bitwise": r0["bitwise"] and r1["bitwise"], "coexec_share": share, "ranks": per_rank_of(name, per_rank)}
-        print(f"{name:8} {e:14.1f} {t:14.1f} {t / e:5.2f}x  {str(table[name]['bitwise']):7}  {share:.0%}")
+        # CPU per step, all threads of a rank's process (Python, the graph's worker, gloo's):
+        # with two ranks on two cores there is no idle core for co-execution to fill.
+        ce = statistics.median(r0["eager_cpu_s"] + r1["eager_cpu_s"]) / args.steps * 1e3
+        ct = statistics.median(r0["terra_cpu_s"] + r1["terra_cpu_s"]) / args.steps * 1e3
+        table[name] = {"eager_steps_s": e, "terra_steps_s": t, "ratio": t / e, "eager_cpu_ms_step": ce,
+                       "terra_cpu_ms_step": ct, "bitwise": r0["bitwise"] and r1["bitwise"], "coexec_share": share,
+                       "ranks": per_rank_of(name, per_rank)}
+        print(f"{name:8} {e:14.1f} {t:14.1f} {t / e:5.2f}x  {str(table[name]['bitwise']):7}  {share:11.0%}  "
+              f"{ce:.2f}, {ct:.2f}")
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
     out = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.node(),
            "python": sys.version.split()[0], "args": vars(args), "load": [load_before[0], load_after[0]],

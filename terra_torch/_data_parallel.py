@@ -7,9 +7,9 @@ process group as soon as the bucket is full, and copy the results back at the en
 Those hooks read gradients' memory and hand Work objects around; a co-executed graph can hold
 neither. The same arithmetic, written as tensor ops after backward() returns, can be traced:
 
-    per bucket:  flat = cat(grad * (1/world) for each parameter)       # zeros where grad is None
-                 flat = wait_tensor(all_reduce(flat, "sum", group))    # _c10d_functional
-                 grad.copy_(piece) for each parameter                  # or a new grad, if None
+    per bucket:  scaled = _foreach_mul(grads, 1/world)                 # zeros where a grad is None
+                 reduced = all_reduce_coalesced(scaled, "sum", group)  # _c10d_functional
+                 _foreach_copy_(grads, wait_tensor(r) for r in reduced)  # or a new grad, if None
 
 So a wrapped DDP module's forward runs DDP's module directly (DDP's own forward, and with it the
 reducer, stays idle: its hooks return at once when no forward prepared them), and every
@@ -154,28 +154,28 @@ class Lowering:
             if len(used) < len(params):
                 globally_used = local.tolist()  # waits for the used map (eager DDP does too)
         scale = 1.0 / world
+        functional = torch.ops._c10d_functional
         with torch.no_grad():
             for bucket in self.buckets:
-                pieces = []
-                for i in bucket:
+                # Few ops per bucket (each traced op costs Python time): one multiply, one
+                # coalesced allreduce (gloo and NCCL flatten it into one buffer, as DDP's bucket
+                # is), one wait per tensor, one copy back.
+                grads = [params[i].grad if params[i].grad is not None else
+                         torch.zeros_like(params[i]) for i in bucket]
+                reduced = functional.all_reduce_coalesced(torch._foreach_mul(grads, scale), "sum", self.group_name)
+                reduced = [functional.wait_tensor(t) for t in reduced]
+                into, values = [], []
+                for i, value in zip(bucket, reduced):
                     p = params[i]
-                    g = p.grad
-                    pieces.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if g is None
-                                  else (g * scale).reshape(-1))
-                flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-                flat = torch.ops._c10d_functional.wait_tensor(
-                    torch.ops._c10d_functional.all_reduce(flat, "sum", self.group_name))
-                offset = 0
-                for i in bucket:
-                    p = params[i]
-                    piece = flat[offset:offset + p.numel()].view(p.shape)
-                    offset += p.numel()
                     if globally_used is not None and not globally_used[i]:
                         continue  # no rank used it: .grad stays as it is
                     if p.grad is None:
-                        p.grad = torch.empty_like(p).copy_(piece)
+                        p.grad = torch.empty_like(p).copy_(value)
                     else:
-                        p.grad.copy_(piece)
+                        into.append(p.grad)
+                        values.append(value)
+                if into:
+                    torch._foreach_copy_(into, values)
 
     def close(self) -> None:
         if self in _lowerings:

@@ -15,6 +15,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -124,8 +125,17 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
                 if step % 3 == 0:
                     out["reads"].append(metric.item() / 2)
                 continue
-            if scenario == "diverge" and rank == 1 and step == 30:
-                out["reads"].append((loss * 3).item())  # a path rank 1's graph has not seen
+            if scenario == "diverge":
+                if rank == 1 and step == 30:
+                    # A path rank 1's graph has not seen, reached late: its graph has had time to
+                    # run ahead to the allreduce below, which it must not issue before Python
+                    # has validated it (Python issues it after the divergence).
+                    time.sleep(0.05)
+                    out["reads"].append((loss * 3).item())
+                metric = loss.detach().clone()
+                dist.all_reduce(metric)
+                if step % 10 == 0:
+                    out["reads"].append(metric.item())
             out["losses"].append(loss.item())
     if terra:
         terra_torch.synchronize()
