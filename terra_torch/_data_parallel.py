@@ -40,6 +40,7 @@ static_graph, mixed precision, delayed all-reduce, sparse gradients. DDP's Join 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -60,6 +61,8 @@ def unsupported(ddp: Any) -> str | None:
         hook = None
     if hook:
         return f"a communication hook is registered ({hook})"
+    if hasattr(ddp, "buffer_hook"):
+        return "a buffer communication hook is registered"
     for attribute, what in (("static_graph", "static_graph=True"), ("mixed_precision", "mixed_precision"),
                             ("_delay_all_reduce_params", "delay_all_reduce_named_params"),
                             ("_use_python_reducer", "the Python reducer (compiled autograd's DDP mode)")):
@@ -89,8 +92,10 @@ class Lowering:
         self.missing: str | None = None  # the error eager DDP raises at the next forward
         # The reducer stays idle (DDP's forward no longer runs): its hooks need not stop
         # backward() from being replayed without the autograd engine.
-        _C.runtime.tolerate_idle_reducer_hooks(self.params)
-        _lowerings.append(self)
+        _C.runtime.tolerate_idle_reducer_hooks(self.params, True)
+        # Weakly held (the module's forward holds the lowering), in creation order: two
+        # modules reduced by one backward reduce in the same order on every rank.
+        _lowerings.append(weakref.ref(self))
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -178,11 +183,12 @@ class Lowering:
                     torch._foreach_copy_(into, values)
 
     def close(self) -> None:
-        if self in _lowerings:
-            _lowerings.remove(self)
+        """DDP's own forward and reducer take over again (terra_torch.unwrap)."""
+        _lowerings[:] = [r for r in _lowerings if r() is not None and r() is not self]
+        _C.runtime.tolerate_idle_reducer_hooks(self.params, False)
 
 
-_lowerings: list[Lowering] = []
+_lowerings: list[weakref.ref[Lowering]] = []
 
 
 def after_backward(roots: Sequence[torch.Tensor]) -> None:
@@ -191,8 +197,12 @@ def after_backward(roots: Sequence[torch.Tensor]) -> None:
         return
     tensors = [t for t in roots if isinstance(t, torch.Tensor)]
     reached = {id(t): 1 for t in _C.runtime.leaves_reached(tensors)}
-    for lowering in list(_lowerings):
-        lowering.after_backward(reached)
+    for ref in list(_lowerings):
+        lowering = ref()
+        if lowering is None:
+            _lowerings.remove(ref)
+        else:
+            lowering.after_backward(reached)
 
 
 def _buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[int]]:

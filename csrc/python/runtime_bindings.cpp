@@ -292,8 +292,9 @@ void init_runtime(py::module_& m) {
         return runtime::reach(call, /*whole_graph=*/true).leaves;
       },
       py::arg("roots"), "The leaves (AccumulateGrad variables) a backward() of `roots` would reach, hooks or not");
-  r.def("tolerate_idle_reducer_hooks", &runtime::tolerate_idle_reducer_hooks, py::arg("leaves"),
-        "DDP's idle reducer hooks on these leaves do not stop a backward replay (runtime/backward_replay.h)");
+  r.def("tolerate_idle_reducer_hooks", &runtime::tolerate_idle_reducer_hooks, py::arg("leaves"), py::arg("idle"),
+        "Whether DDP's reducer hooks on these leaves are idle, so do not stop a backward replay "
+        "(runtime/backward_replay.h)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

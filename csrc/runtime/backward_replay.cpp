@@ -139,14 +139,16 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
   return out;
 }
 
-void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves) {
+void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves, bool idle) {
   IdleReducerNodes& registry = idle_reducer_nodes();
   std::lock_guard<std::mutex> lock(registry.mu);
   for (auto it = registry.nodes.begin(); it != registry.nodes.end();)
     it = it->second.expired() ? registry.nodes.erase(it) : std::next(it);
   for (const at::Tensor& leaf : leaves) {
     NodeRef node = torch::autograd::impl::grad_accumulator(leaf);
-    if (node) registry.nodes.insert_or_assign(node.get(), typename WeakOf<NodeRef>::type(node));
+    if (!node) continue;
+    if (idle) registry.nodes.insert_or_assign(node.get(), typename WeakOf<NodeRef>::type(node));
+    else registry.nodes.erase(node.get());
   }
 }
 

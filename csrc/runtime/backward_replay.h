@@ -68,8 +68,9 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph = false);
 // forward has prepared the reducer, each hook returns at once, or only updates the reducer's own
 // bookkeeping: terra_torch.wrap(DDP(model)) keeps it so (its forward runs the module directly and
 // reduces gradients itself, terra_torch/_data_parallel.py). Registered leaves' C++ lambda post
-// hooks therefore do not stop a replay; any other hook on them still does.
-void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves);
+// hooks therefore do not stop a replay; any other hook on them still does. `idle` false: the
+// reducer works again (terra_torch.unwrap), its hooks count.
+void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves, bool idle);
 
 // Ends the graph's life as the engine would after a backward without retain_graph: the saved
 // tensors of every reached node are released (a second backward through it raises eager's

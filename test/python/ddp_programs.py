@@ -144,6 +144,15 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
         out["why"] = [f"{f.iteration} {f.reason[:200]}" for f in model._terra_program.fallbacks]
         out["backward"] = {k: v for k, v in terra_torch.stats(model).runner.items() if k.startswith("backward")}
         terra_torch.unwrap(model)
+    if scenario == "plain":
+        # After unwrap, DDP's own forward and reducer work again (eager runs the same steps).
+        for step in range(5):
+            x, y = data[step % len(data)]
+            loss = F.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out["losses"].append(loss.item())
     out.update(snapshot(net))
     return out
 
