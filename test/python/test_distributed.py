@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PROGRAMS = Path(__file__).with_name("ddp_programs.py")
-SCENARIOS = ("plain", "batchnorm", "no_sync", "rank_print", "metric", "unused", "sampler", "diverge")
+SCENARIOS = ("plain", "batchnorm", "no_sync", "rank_print", "metric", "unused", "sampler", "diverge", "speed_switch")
 
 
 def _port(tag: str) -> int:
@@ -54,7 +54,12 @@ def test_wrapped_ddp_co_executes_with_eager_ddps_bits(programs, scenario):
         for key in ("losses", "reads", "params", "grads", "buffers"):
             assert e[key] == t[key], (scenario, rank, key)
         it = t["iterations"]
-        assert it["coexec"] >= (0.6 if scenario == "sampler" else 0.85) * sum(it.values()), (scenario, rank, it)
+        if scenario == "speed_switch":
+            # The ranks ran eagerly at different iterations (7 + 3 and 11 of them): the
+            # collectives still came in the same order.
+            assert it["eager"] == (10 if rank == 0 else 11), (scenario, rank, it)
+        else:
+            assert it["coexec"] >= (0.6 if scenario == "sampler" else 0.85) * sum(it.values()), (scenario, rank, it)
         # The reducer's hooks are idle: backward() is replayed without the engine. (Except with
         # find_unused_parameters=True, where they still mark the reducer's used map in backward.)
         if scenario != "unused":
