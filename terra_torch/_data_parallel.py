@@ -93,6 +93,9 @@ class Lowering:
         # The reducer stays idle (DDP's forward no longer runs): its hooks need not stop
         # backward() from being replayed without the autograd engine.
         _C.runtime.tolerate_idle_reducer_hooks(self.params, True)
+        # Given back before the reducer is destroyed with its module (it deletes its hooks by
+        # address), if terra_torch.unwrap does not come first.
+        self._give_back = weakref.finalize(ddp, _C.runtime.tolerate_idle_reducer_hooks, list(self.params), False)
         # Weakly held (the module's forward holds the lowering), in creation order: two
         # modules reduced by one backward reduce in the same order on every rank.
         _lowerings.append(weakref.ref(self))
@@ -185,7 +188,7 @@ class Lowering:
     def close(self) -> None:
         """DDP's own forward and reducer take over again (terra_torch.unwrap)."""
         _lowerings[:] = [r for r in _lowerings if r() is not None and r() is not self]
-        _C.runtime.tolerate_idle_reducer_hooks(self.params, False)
+        self._give_back()  # (once: a finalizer runs at most once)
 
 
 _lowerings: list[weakref.ref[Lowering]] = []

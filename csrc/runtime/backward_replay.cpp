@@ -14,8 +14,6 @@
 #include <typeinfo>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "capture/placeholder.h"
@@ -36,38 +34,35 @@ using torch::autograd::Node;
 // dynamic type's name: libtorch_python does not export PyNode's type_info for a dynamic_cast.
 bool is_python_function(Node* node) { return std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") == 0; }
 
-// The AccumulateGrad nodes whose C++ post hooks are an idle DDP reducer's (see
-// tolerate_idle_reducer_hooks). Weak: a node that dies takes its entry's meaning with it.
-// (Nodes are held by std::shared_ptr up to torch 2.12, by c10::intrusive_ptr from 2.13 on.)
-using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-template <typename P>
-struct WeakOf;
-template <typename T>
-struct WeakOf<std::shared_ptr<T>> {
-  using type = std::weak_ptr<T>;
+// A DDP reducer's hook on an AccumulateGrad node, while the reducer is idle
+// (tolerate_idle_reducer_hooks): it runs as before, with interception suspended, since the ops it
+// may issue (find_unused_parameters marks the reducer's own used map) are the reducer's
+// bookkeeping, not the program's.
+class IdleReducerHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit IdleReducerHook(std::unique_ptr<torch::autograd::FunctionPostHook> inner) : inner_(std::move(inner)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    capture::SuspendGuard not_the_programs;
+    return (*inner_)(outputs, inputs);
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override { inner_->compiled_args(args); }
+  std::unique_ptr<torch::autograd::FunctionPostHook> release() { return std::move(inner_); }
+
+ private:
+  std::unique_ptr<torch::autograd::FunctionPostHook> inner_;
 };
-template <typename T>
-struct WeakOf<c10::intrusive_ptr<T>> {
-  using type = c10::weak_intrusive_ptr<T>;
-};
-struct IdleReducerNodes {
-  std::mutex mu;
-  std::unordered_map<Node*, typename WeakOf<NodeRef>::type> nodes;
-};
-IdleReducerNodes& idle_reducer_nodes() {
-  static IdleReducerNodes registry;
-  return registry;
+
+// What the reducer registers (torch/csrc/autograd/utils/lambda_post_hook.h), by the dynamic
+// type's name: libtorch does not export its type_info for a dynamic_cast.
+bool is_lambda_hook(const torch::autograd::FunctionPostHook& hook) {
+  return std::strcmp(typeid(hook).name(), "N5torch8autograd5utils14LambdaPostHookE") == 0;
 }
 
-// Every post hook of `node` is a C++ lambda hook (what the reducer registers,
-// torch/csrc/autograd/utils/lambda_post_hook.h) on a node registered as an idle reducer's.
 bool only_idle_reducer_hooks(Node* node) {
   for (const auto& hook : node->post_hooks())
-    if (std::strcmp(typeid(*hook).name(), "N5torch8autograd5utils14LambdaPostHookE") != 0) return false;
-  IdleReducerNodes& registry = idle_reducer_nodes();
-  std::lock_guard<std::mutex> lock(registry.mu);
-  auto it = registry.nodes.find(node);
-  return it != registry.nodes.end() && !it->second.expired();
+    if (dynamic_cast<const IdleReducerHook*>(hook.get()) == nullptr) return false;
+  return true;
 }
 
 // Why Python code would run when the engine executes `node` (empty: it would not).
@@ -140,15 +135,18 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
 }
 
 void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves, bool idle) {
-  IdleReducerNodes& registry = idle_reducer_nodes();
-  std::lock_guard<std::mutex> lock(registry.mu);
-  for (auto it = registry.nodes.begin(); it != registry.nodes.end();)
-    it = it->second.expired() ? registry.nodes.erase(it) : std::next(it);
   for (const at::Tensor& leaf : leaves) {
-    NodeRef node = torch::autograd::impl::grad_accumulator(leaf);
+    auto node = torch::autograd::impl::grad_accumulator(leaf);
     if (!node) continue;
-    if (idle) registry.nodes.insert_or_assign(node.get(), typename WeakOf<NodeRef>::type(node));
-    else registry.nodes.erase(node.get());
+    for (auto& hook : node->post_hooks()) {
+      if (idle && is_lambda_hook(*hook)) {
+        hook = std::make_unique<IdleReducerHook>(std::move(hook));
+      } else if (!idle) {
+        // The original objects go back where they were: the reducer deletes its hooks by
+        // their addresses when it is destroyed.
+        if (auto* idle_hook = dynamic_cast<IdleReducerHook*>(hook.get())) hook = idle_hook->release();
+      }
+    }
   }
 }
 

@@ -67,9 +67,10 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph = false);
 // DDP's reducer hooks every parameter's AccumulateGrad node (C++ post hooks). While no DDP
 // forward has prepared the reducer, each hook returns at once, or only updates the reducer's own
 // bookkeeping: terra_torch.wrap(DDP(model)) keeps it so (its forward runs the module directly and
-// reduces gradients itself, terra_torch/_data_parallel.py). Registered leaves' C++ lambda post
-// hooks therefore do not stop a replay; any other hook on them still does. `idle` false: the
-// reducer works again (terra_torch.unwrap), its hooks count.
+// reduces gradients itself, terra_torch/_data_parallel.py). `idle`: the leaves' C++ lambda hooks
+// are wrapped so that they run with interception suspended and do not stop a replay (any other
+// hook still does); false: unwrapped again, before the reducer works again or is destroyed (it
+// deletes its hooks by address).
 void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves, bool idle);
 
 // Ends the graph's life as the engine would after a backward without retain_graph: the saved

@@ -60,10 +60,8 @@ def test_wrapped_ddp_co_executes_with_eager_ddps_bits(programs, scenario):
             assert it["eager"] == (10 if rank == 0 else 11), (scenario, rank, it)
         else:
             assert it["coexec"] >= (0.6 if scenario == "sampler" else 0.85) * sum(it.values()), (scenario, rank, it)
-        # The reducer's hooks are idle: backward() is replayed without the engine. (Except with
-        # find_unused_parameters=True, where they still mark the reducer's used map in backward.)
-        if scenario != "unused":
-            assert t["backward"]["backward_replayed"] > 0, (scenario, rank, t["backward"])
+        # The reducer's hooks are idle: backward() is replayed without the engine.
+        assert t["backward"]["backward_replayed"] > 0, (scenario, rank, t["backward"])
     if scenario == "diverge":
         # Rank 1 left its graph once; rank 0 co-executed throughout; neither deadlocked.
         assert programs[("diverge", 1)]["terra"]["fallbacks"] >= 1
@@ -163,3 +161,39 @@ def test_what_is_not_lowered_warns_and_runs_eagerly_with_eager_ddp_results(tmp_p
         assert "'tracing': 0" in line and "'coexec': 0" in line, line  # (the last iteration is still open)
         expected = "wrap the DistributedDataParallel module instead" if case == "DDP(wrap)" else "communication hook"
         assert expected in line, line
+
+
+DROPPED = textwrap.dedent("""
+    import gc, os, sys, torch, torch.nn as nn, torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[1]
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import terra_torch
+
+    def train():
+        net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+        model = terra_torch.wrap(nn.parallel.DistributedDataParallel(net, find_unused_parameters=True))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(10):
+            loss = model(torch.randn(3, 8)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+        terra_torch.synchronize()
+        return terra_torch.stats(model).runner["backward_replayed"]
+
+    replayed = [train() for _ in range(3)]  # each wrapped DDP dropped without unwrap
+    gc.collect()
+    kept = terra_torch.wrap(nn.parallel.DistributedDataParallel(nn.Linear(2, 2)))  # wrapped at exit
+    print("REPLAYED", replayed, flush=True)
+""")
+
+
+def test_a_wrapped_ddp_dropped_without_unwrap_gives_its_reducer_back_its_hooks(tmp_path):
+    """The reducer's hooks are wrapped while it is idle (runtime/backward_replay.h); the reducer
+    deletes them by address when it is destroyed, so they go back first, whenever the DDP module
+    dies (without that, the reducer's destructor raised and the process aborted)."""
+    script = tmp_path / "dropped.py"
+    script.write_text(DROPPED)
+    out = subprocess.run([sys.executable, str(script), str(_port("dropped") + 1)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    replayed = eval(next(ln for ln in out.stdout.splitlines() if ln.startswith("REPLAYED"))[len("REPLAYED "):])
+    assert all(r > 0 for r in replayed), replayed  # find_unused_parameters=True replays too
