@@ -118,6 +118,67 @@ void broadcast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
   stack->emplace_back(completed_work(tensors));
 }
 
+// all_gather_into_tensor of `input` flattened: the ranks' values one after the other.
+at::Tensor gather_flat(const at::Tensor& input, int64_t size, const std::string& group) {
+  static const c10::OperatorHandle gather = functional("_c10d_functional::all_gather_into_tensor");
+  static const c10::OperatorHandle wait = functional("_c10d_functional::wait_tensor");
+  return call(wait, {call(gather, {input.reshape({-1}), size, group})});
+}
+
+// c10d::_allgather_base_(Tensor output_tensor, Tensor input_tensor, ProcessGroup process_group,
+//                        bool async_op=True, int timeout=-1) -> (Tensor, Work)
+// (dist.all_gather_into_tensor)
+void allgather_base_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  auto args = stack->end() - op.schema().arguments().size();
+  const std::optional<std::string> group = group_name(args[2]);
+  const at::Tensor output = args[0].toTensor();
+  const at::Tensor input = args[1].toTensor();
+  if (intercepting_region() == nullptr || !group || output.layout() != c10::kStrided ||
+      input.layout() != c10::kStrided) {
+    intercept(op, ks, stack);
+    return;
+  }
+  const int64_t size = args[2].toCustomClass<c10d::ProcessGroup>()->getSize();
+  const at::Tensor gathered = gather_flat(input, size, *group);
+  const_cast<at::Tensor&>(output).copy_(gathered.view(output.sizes()));
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  stack->emplace_back(output);
+  stack->emplace_back(completed_work(c10::List<at::Tensor>({output})));
+}
+
+// c10d::allgather_(Tensor[][] output_tensors, Tensor[] input_tensors, ProcessGroup process_group,
+//                  bool async_op=True, int timeout=-1) -> (Tensor[][], Work)
+// (dist.all_gather: one input, one output per rank, each shaped like the input)
+void allgather_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  auto args = stack->end() - op.schema().arguments().size();
+  const std::optional<std::string> group = group_name(args[2]);
+  const int64_t size = group ? args[2].toCustomClass<c10d::ProcessGroup>()->getSize() : 0;
+  auto outputs = args[0].to<c10::List<c10::List<at::Tensor>>>();
+  const bool lowered = intercepting_region() != nullptr && group && all_dense(args[1]) &&
+                       args[1].toTensorList().size() == 1 && outputs.size() == 1 &&
+                       static_cast<int64_t>(c10::List<at::Tensor>(outputs.get(0)).size()) == size;
+  if (!lowered) {
+    intercept(op, ks, stack);
+    return;
+  }
+  const at::Tensor input = args[1].toTensorList().get(0);
+  const c10::List<at::Tensor> per_rank = outputs.get(0);
+  for (const at::Tensor& out : per_rank.vec())
+    if (!out.defined() || out.layout() != c10::kStrided || out.sizes() != input.sizes()) {
+      intercept(op, ks, stack);
+      return;
+    }
+  const at::Tensor gathered = gather_flat(input, size, *group);
+  const int64_t n = input.numel();
+  for (int64_t k = 0; k < size; ++k) {
+    at::Tensor out = per_rank.get(k);
+    out.copy_(gathered.narrow(0, k * n, n).view(input.sizes()));
+  }
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  stack->emplace_back(outputs);
+  stack->emplace_back(completed_work(per_rank));
+}
+
 }  // namespace
 
 }  // namespace terra::capture
@@ -132,4 +193,6 @@ TORCH_LIBRARY_IMPL(_, AutogradPrivateUse3, m) { m.fallback(torch::autograd::basi
 TORCH_LIBRARY_IMPL(c10d, PrivateUse3, m) {
   m.impl("allreduce_", torch::CppFunction::makeFromBoxedFunction<&terra::capture::allreduce_kernel>());
   m.impl("broadcast_", torch::CppFunction::makeFromBoxedFunction<&terra::capture::broadcast_kernel>());
+  m.impl("allgather_", torch::CppFunction::makeFromBoxedFunction<&terra::capture::allgather_kernel>());
+  m.impl("_allgather_base_", torch::CppFunction::makeFromBoxedFunction<&terra::capture::allgather_base_kernel>());
 }

@@ -15,7 +15,8 @@
 // (emit::has_side_effect), so each one runs exactly once per rank, in program order, whether the
 // graph or Python (after a divergence) issues it.
 //
-// Lowered: allreduce_ (sum, product, min, max, avg) and broadcast_ of dense tensors. Any other
+// Lowered: allreduce_ (sum, product, min, max, avg), broadcast_, allgather_ (dist.all_gather of
+// one tensor) and _allgather_base_ (dist.all_gather_into_tensor) of dense tensors. Any other
 // c10d op inside a region runs for real after the graph has finished what Python validated
 // (capture::is_collective; Region::co_execute), so the order of collectives is kept there too.
 #pragma once

@@ -146,6 +146,16 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
                 dist.all_reduce(metric)  # a metric averaged over ranks, in the loop
                 if step % 3 == 0:
                     out["reads"].append(metric.item() / 2)
+                # Every rank's predictions, gathered (an accuracy over the whole batch).
+                with torch.no_grad():  # (DDP's forward under no_grad: no reduction expected)
+                    hits = (model(x).argmax(1) == y).float()
+                gathered = [torch.empty_like(hits) for _ in range(2)]
+                dist.all_gather(gathered, hits)
+                flat = torch.empty(2 * hits.numel())
+                dist.all_gather_into_tensor(flat, hits)
+                if step % 5 == 0:
+                    out["reads"].append(torch.cat(gathered).mean().item())
+                    out["reads"].append(flat.sum().item())
                 continue
             if scenario == "diverge":
                 if rank == 1 and step == 30:
@@ -163,6 +173,8 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
         terra_torch.synchronize()
         out["iterations"] = dict(terra_torch.stats(model).iterations)
         out["fallbacks"] = terra_torch.stats(model).fallbacks
+        evaluation = terra_torch.stats(model).evaluation
+        out["eval_iterations"] = dict(evaluation.iterations) if evaluation is not None else None
         out["why"] = [f"{f.iteration} {f.reason[:200]}" for f in model._terra_program.fallbacks]
         out["backward"] = {k: v for k, v in terra_torch.stats(model).runner.items() if k.startswith("backward")}
         terra_torch.unwrap(model)

@@ -66,6 +66,12 @@ def test_wrapped_ddp_co_executes_with_eager_ddps_bits(programs, scenario):
         # Rank 1 left its graph once; rank 0 co-executed throughout; neither deadlocked.
         assert programs[("diverge", 1)]["terra"]["fallbacks"] >= 1
         assert programs[("diverge", 0)]["terra"]["fallbacks"] == 0
+    if scenario == "metric":
+        # The gathers ran in the no_grad calls' program, co-executed (lowered to functional
+        # collectives; an unlowered one would have ended co-execution every time).
+        for rank in (0, 1):
+            it = programs[("metric", rank)]["terra"]["eval_iterations"]
+            assert it["coexec"] >= 0.85 * sum(it.values()), (rank, it)
     if scenario == "rank_print":
         assert programs[("rank_print", 0)]["terra"]["reads"] and not programs[("rank_print", 1)]["terra"]["reads"]
     if scenario == "unused":
