@@ -191,6 +191,49 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
     return out
 
 
+def gan(rank: int, terra: bool) -> dict:
+    """Two DDP modules trained in turns (a GAN): each backward reduces the gradients of the modules
+    whose forward asked for it and whose parameters it reached: D's alone, then G's and D's."""
+    import terra_torch
+
+    torch.manual_seed(0)
+    g_net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    d_net = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    g_ddp, d_ddp = nn.parallel.DistributedDataParallel(g_net), nn.parallel.DistributedDataParallel(d_net)
+    g_model = terra_torch.wrap(g_ddp, speed_check=False) if terra else g_ddp
+    d_model = terra_torch.wrap(d_ddp, speed_check=False) if terra else d_ddp
+    opt_g = torch.optim.Adam(g_net.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(d_net.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    gen = torch.Generator().manual_seed(rank)
+    reals = [torch.randn(8, 8, generator=gen) + 1 for _ in range(4)]
+    noise = [torch.randn(8, 4, generator=gen) for _ in range(4)]
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+    out: dict = {"losses": [], "reads": []}
+    for step in range(40):
+        fake = g_model(noise[step % 4])
+        d_loss = (F.binary_cross_entropy_with_logits(d_model(reals[step % 4]), ones) +
+                  F.binary_cross_entropy_with_logits(d_model(fake.detach()), zeros))
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        g_loss = F.binary_cross_entropy_with_logits(d_model(fake), ones)
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        out["losses"].append(d_loss.item())
+        out["reads"].append(g_loss.item())
+    if terra:
+        terra_torch.synchronize()
+        out["iterations"] = {k: v + d for (k, v), d in zip(terra_torch.stats(g_model).iterations.items(),
+                                                          terra_torch.stats(d_model).iterations.values())}
+        out["fallbacks"] = terra_torch.stats(g_model).fallbacks + terra_torch.stats(d_model).fallbacks
+        out["backward"] = {"backward_replayed": terra_torch.stats(d_model).runner["backward_replayed"]}
+        terra_torch.unwrap(g_model)
+        terra_torch.unwrap(d_model)
+    out.update({k: a + b for (k, a), b in zip(snapshot(g_net).items(), snapshot(d_net).values())})
+    return out
+
+
 def fault(scenario: str, rank: int, terra: bool) -> dict:
     """One rank raises in its step (`raise`): every rank must get an error, none may hang."""
     import terra_torch
@@ -228,6 +271,8 @@ def worker(rank: int, port: int, scenarios: list[str], queue) -> None:
         for scenario in scenarios:
             if scenario == "raise":
                 result = {"terra": fault(scenario, rank, True)}
+            elif scenario == "gan":
+                result = {"eager": gan(rank, False), "terra": gan(rank, True)}
             else:
                 result = {"eager": run(scenario, rank, False), "terra": run(scenario, rank, True)}
             queue.put(json.dumps({"scenario": scenario, "rank": rank, **result}))

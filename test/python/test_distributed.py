@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 PROGRAMS = Path(__file__).with_name("ddp_programs.py")
-SCENARIOS = ("plain", "batchnorm", "no_sync", "rank_print", "metric", "unused", "sampler", "diverge", "speed_switch")
+SCENARIOS = ("plain", "batchnorm", "no_sync", "rank_print", "metric", "unused", "sampler", "diverge", "speed_switch",
+             "gan")
 
 
 def _port(tag: str) -> int:
@@ -60,8 +61,10 @@ def test_wrapped_ddp_co_executes_with_eager_ddps_bits(programs, scenario):
             assert it["eager"] == (10 if rank == 0 else 11), (scenario, rank, it)
         else:
             assert it["coexec"] >= (0.6 if scenario == "sampler" else 0.85) * sum(it.values()), (scenario, rank, it)
-        # The reducer's hooks are idle: backward() is replayed without the engine.
-        assert t["backward"]["backward_replayed"] > 0, (scenario, rank, t["backward"])
+        # The reducer's hooks are idle: backward() is replayed without the engine. (Not in the
+        # GAN, whose backwards reach into the other network's program.)
+        if scenario != "gan":
+            assert t["backward"]["backward_replayed"] > 0, (scenario, rank, t["backward"])
     if scenario == "diverge":
         # Rank 1 left its graph once; rank 0 co-executed throughout; neither deadlocked.
         assert programs[("diverge", 1)]["terra"]["fallbacks"] >= 1
