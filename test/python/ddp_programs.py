@@ -234,6 +234,39 @@ def gan(rank: int, terra: bool) -> dict:
     return out
 
 
+def function(rank: int, terra: bool) -> dict:
+    """@terra_torch.function around a step that calls an unwrapped DDP module: DDP's own forward
+    and reducer run inside the region, on placeholders (their bucket copies and the bucket's
+    allreduce, lowered to a functional one, are traced like the program's own ops)."""
+    import terra_torch
+
+    torch.manual_seed(0)
+    net = mlp()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    if terra:
+        step = terra_torch.function(step, speed_check=False)
+    data = make_data(rank)
+    out: dict = {"losses": [], "reads": []}
+    for i in range(STEPS):
+        out["losses"].append(step(*data[i % len(data)]).item())
+    if terra:
+        terra_torch.synchronize()
+        out["iterations"] = dict(terra_torch.stats(step).iterations)
+        out["fallbacks"] = terra_torch.stats(step).fallbacks
+        out["backward"] = {"backward_replayed": terra_torch.stats(step).runner["backward_replayed"]}
+    out.update(snapshot(net))
+    return out
+
+
 def fault(scenario: str, rank: int, terra: bool) -> dict:
     """One rank raises in its step (`raise`): every rank must get an error, none may hang."""
     import terra_torch
@@ -273,6 +306,8 @@ def worker(rank: int, port: int, scenarios: list[str], queue) -> None:
                 result = {"terra": fault(scenario, rank, True)}
             elif scenario == "gan":
                 result = {"eager": gan(rank, False), "terra": gan(rank, True)}
+            elif scenario == "function":
+                result = {"eager": function(rank, False), "terra": function(rank, True)}
             else:
                 result = {"eager": run(scenario, rank, False), "terra": run(scenario, rank, True)}
             queue.put(json.dumps({"scenario": scenario, "rank": rank, **result}))
