@@ -88,7 +88,6 @@ class Lowering:
         self.find_unused: bool = bool(ddp.find_unused_parameters)
         self.pending = False  # a forward asked for the next backward to reduce gradients
         self.used: set[int] = set()  # indices of parameters a backward reached since the last reduction
-        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.missing: str | None = None  # the error eager DDP raises at the next forward
         # The reducer stays idle (DDP's forward no longer runs): its hooks need not stop
         # backward() from being replayed without the autograd engine.
@@ -130,8 +129,8 @@ class Lowering:
 
     # ---- after backward ------------------------------------------------------------------------
 
-    def after_backward(self, reached: dict[int, int]) -> None:
-        """A backward() completed that reached the leaves `reached` (id -> 1)."""
+    def after_backward(self, reached: set[int]) -> None:
+        """A backward() completed that reached the leaves whose ids are `reached`."""
         now = {i for i, p in enumerate(self.params) if id(p) in reached}
         if not now:
             return  # not this module's backward (a GAN's other network)
@@ -199,7 +198,7 @@ def after_backward(roots: Sequence[torch.Tensor]) -> None:
     if not _lowerings:
         return
     tensors = [t for t in roots if isinstance(t, torch.Tensor)]
-    reached = {id(t): 1 for t in _C.runtime.leaves_reached(tensors)}
+    reached = {id(t) for t in _C.runtime.leaves_reached(tensors)}
     for ref in list(_lowerings):
         lowering = ref()
         if lowering is None:

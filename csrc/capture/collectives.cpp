@@ -62,6 +62,15 @@ c10::intrusive_ptr<c10d::Work> completed_work(const c10::List<at::Tensor>& tenso
   return c10d::Work::create_from_future(future);
 }
 
+// What every lowered op returns: its written tensors as the schema's first return (`written`),
+// and a completed Work holding `tensors`.
+void return_completed(const c10::OperatorHandle& op, torch::jit::Stack* stack, c10::IValue written,
+                      const c10::List<at::Tensor>& tensors) {
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  stack->emplace_back(std::move(written));
+  stack->emplace_back(completed_work(tensors));
+}
+
 c10::OperatorHandle functional(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -95,9 +104,7 @@ void allreduce_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
   static const c10::OperatorHandle all_reduce = functional("_c10d_functional::all_reduce");
   const c10::List<at::Tensor> tensors = args[0].toTensorList();
   lower(tensors, [&](const at::Tensor& t) { return call(all_reduce, {t, *reduction, *group}); });
-  torch::jit::drop(*stack, op.schema().arguments().size());
-  stack->emplace_back(tensors);
-  stack->emplace_back(completed_work(tensors));
+  return_completed(op, stack, tensors, tensors);
 }
 
 // c10d::broadcast_(Tensor[] tensors, ProcessGroup process_group, int root_rank, int root_tensor,
@@ -113,9 +120,7 @@ void broadcast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
   const int64_t root = args[2].toInt();
   const c10::List<at::Tensor> tensors = args[0].toTensorList();
   lower(tensors, [&](const at::Tensor& t) { return call(broadcast, {t, root, *group}); });
-  torch::jit::drop(*stack, op.schema().arguments().size());
-  stack->emplace_back(tensors);
-  stack->emplace_back(completed_work(tensors));
+  return_completed(op, stack, tensors, tensors);
 }
 
 // all_gather_into_tensor of `input` flattened: the ranks' values one after the other.
@@ -141,9 +146,7 @@ void allgather_base_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks
   const int64_t size = args[2].toCustomClass<c10d::ProcessGroup>()->getSize();
   const at::Tensor gathered = gather_flat(input, size, *group);
   const_cast<at::Tensor&>(output).copy_(gathered.view(output.sizes()));
-  torch::jit::drop(*stack, op.schema().arguments().size());
-  stack->emplace_back(output);
-  stack->emplace_back(completed_work(c10::List<at::Tensor>({output})));
+  return_completed(op, stack, output, c10::List<at::Tensor>({output}));
 }
 
 // c10d::allgather_(Tensor[][] output_tensors, Tensor[] input_tensors, ProcessGroup process_group,
@@ -174,9 +177,7 @@ void allgather_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
     at::Tensor out = per_rank.get(k);
     out.copy_(gathered.narrow(0, k * n, n).view(input.sizes()));
   }
-  torch::jit::drop(*stack, op.schema().arguments().size());
-  stack->emplace_back(outputs);
-  stack->emplace_back(completed_work(per_rank));
+  return_completed(op, stack, outputs, per_rank);
 }
 
 }  // namespace

@@ -437,13 +437,13 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     }
     return flat;
   };
-  if (needs_data && (writes_an_argument(op) || is_collective(op))) {
+  if (const bool collective = needs_data && is_collective(op); needs_data && (collective || writes_an_argument(op))) {
     // Run for real here, it would run again in the graph (which holds the node) and its write
     // would happen twice; a collective run here could overtake the graph's earlier ones (a read
     // waits only for its own inputs). The rest of the iteration runs eagerly instead, after the
     // graph has finished what Python validated.
     hook_->refuse(index, c10::toString(op.operator_name()) +
-                             (is_collective(op) ? " is a collective co-execution does not lower (capture/collectives.h)"
+                             (collective ? " is a collective co-execution does not lower (capture/collectives.h)"
                                                 : " writes its arguments") +
                              " and has no shape without its data (" + inferred->reason + ")");
     mode_ = Mode::Record;

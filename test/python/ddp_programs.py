@@ -52,23 +52,6 @@ class Branchy(nn.Module):
         return self.a(h)
 
 
-def Forced(schedule: list[tuple[str, int]]):
-    """A speed check that asks for the modes of `schedule` ((mode, iterations), ...) in turn."""
-    from terra_torch._speed import SpeedCheck
-
-    class _Forced(SpeedCheck):
-        def __init__(self) -> None:
-            super().__init__(True)
-            self.plan = [m for m, n in schedule for _ in range(n)]
-            self.seen = 0
-
-        def observe(self, mode: str, seconds: float, iteration: int) -> str:
-            self.seen += 1
-            return self.plan[min(self.seen, len(self.plan) - 1)]
-
-    return _Forced()
-
-
 def snapshot(net: nn.Module) -> dict:
     return {"params": [p.detach().flatten().tolist() for p in net.parameters()],
             "grads": [None if p.grad is None else p.grad.flatten().tolist() for p in net.parameters()],
@@ -93,6 +76,8 @@ def run(scenario: str, rank: int, terra: bool) -> dict:
         # The speed check moves each rank between co-execution and eager on its own schedule.
         schedules = {0: [("coexec", 10), ("eager", 7), ("coexec", 15), ("eager", 3), ("coexec", 100)],
                      1: [("coexec", 20), ("eager", 11), ("coexec", 100)]}
+        from forced_speed import Forced  # (beside this file, on the child's sys.path)
+
         model._terra_program._speed = Forced(schedules[rank])
     if scenario == "batchnorm":
         opt: torch.optim.Optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import terra_torch
 from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 
+from forced_speed import Forced
+
 
 def feed(check: SpeedCheck, times: dict[str, float], n: int, start: int = 0) -> list[str]:
     """Runs `n` iterations, each in the mode the check asked for, taking times[mode]."""
@@ -90,19 +92,6 @@ def test_disabled_never_moves():
     assert feed(check, {COEXEC: 9.0, EAGER: 1.0}, 20) == [COEXEC] * 20
     with pytest.raises(ValueError):
         SpeedCheck(first_after=2, window=5)
-
-
-class Forced(SpeedCheck):
-    """Co-executes and runs eagerly in turns: `schedule` is a list of (mode, iterations)."""
-
-    def __init__(self, schedule: list[tuple[str, int]]) -> None:
-        super().__init__(True)
-        self.plan = [m for m, n in schedule for _ in range(n)]
-        self.seen = 0
-
-    def observe(self, mode: str, seconds: float, iteration: int) -> str:
-        self.seen += 1
-        return self.plan[min(self.seen, len(self.plan) - 1)]
 
 
 def train(terra: bool, optimizer: str, steps: int = 90, schedule=None):
