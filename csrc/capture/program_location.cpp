@@ -49,6 +49,24 @@ LocationTracker::~LocationTracker() {
   Py_XDECREF(anchor_);  // destroyed with the GIL held (regions end from Python)
 }
 
+void LocationTracker::restart(PyFrameObject* stop_frame) {
+  Py_XINCREF(stop_frame);
+  Py_XDECREF(stop_frame_);
+  stop_frame_ = stop_frame;
+  Py_XDECREF(anchor_);
+  anchor_ = stop_frame_ != nullptr ? PyFrame_GetBack(stop_frame_) : nullptr;  // new reference (or null)
+  guard_depth_ = 0;
+  outer_guarded_.reset();
+  loop_state_.clear();
+  active_.clear();
+  previous_active_.clear();
+  ++generation_;
+  // A program whose locations never repeat (code generated per call) would grow these forever.
+  constexpr size_t kMaxInterned = size_t(1) << 16;
+  if (frames_.size() > kMaxInterned) frames_.clear();
+  if (derived_.size() > kMaxInterned) derived_.clear();
+}
+
 namespace {
 
 // [(a, b), ...] from Python into `out`; false (with the Python error cleared) if malformed.
@@ -161,8 +179,9 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* 
   std::swap(active_, previous_active_);
 
   auto [interned, inserted] = frames_.try_emplace(id);
-  if (inserted) {
-    interned->frames = scratch_;
+  if (inserted) interned->frames = scratch_;
+  if (inserted || interned->generation != generation_) {
+    interned->generation = generation_;
     // Frames from the innermost out to the anchor, if the walk met it; the stop frame's own
     // guard otherwise (outer_guarded). scratch_ runs outermost first.
     const bool met_anchor = guard_depth_ != SIZE_MAX;

@@ -49,6 +49,10 @@ class LocationTracker {
   // one region per iteration of it): its statements are locations, its loops are not loops.
   void ignore_outermost_loops(bool ignore) { ignore_outermost_loops_ = ignore; }
   ~LocationTracker();
+  // The next region's tracker, as if made anew with `stop_frame`: loop state starts over,
+  // interned locations stay (ids are the same in every region; their guards are worked out
+  // again, since they depend on the stop frame). Needs the GIL.
+  void restart(PyFrameObject* stop_frame);
   LocationTracker(const LocationTracker&) = delete;
   LocationTracker& operator=(const LocationTracker&) = delete;
 
@@ -106,7 +110,9 @@ class LocationTracker {
   struct Interned {
     std::vector<FrameRef> frames;
     bool guarded = false;
+    uint32_t generation = 0;  // the restart() `guarded` was worked out in
   };
+  uint32_t generation_ = 0;  // restarts so far
   common::FlatMap<uint64_t, Interned> frames_;  // interned locations
   struct Derived {
     uint64_t base = 0;

@@ -156,9 +156,30 @@ void Region::close() {
   open_ = false;
   g_expected_ops.store(std::max<size_t>(trace_.ops.size(), 16), std::memory_order_relaxed);
   g_expected_externals.store(std::max<size_t>(trace_.externals.size(), 8), std::memory_order_relaxed);
-  // The tables only serve the open region; a closed one (kept for its trace) holds no memory.
-  produced_ = decltype(produced_)();
-  produced_storage_ = decltype(produced_storage_)();
+  // The tables only serve the open region: emptied (releasing their pins), their slots kept
+  // for reuse().
+  produced_.clear();
+  produced_storage_.clear();
+}
+
+void Region::reuse(PyFrameObject* stop_frame) {
+  TORCH_CHECK(!open_, "terra_torch internal error: an open region cannot be reused");
+  TORCH_CHECK(hook_ != nullptr, "terra_torch internal error: only co-execution regions are reused");
+  mode_ = Mode::CoExec;  // (a divergence turned it to recording)
+  trace_.ops.clear();
+  trace_.externals.clear();
+  externals_alive_.clear();
+  produced_.clear();
+  produced_storage_.clear();
+  external_index_.clear();
+  node_location_.clear();
+  last_noted_sequence_nr_ = UINT64_MAX;
+  last_backward_node_ = nullptr;
+  backward_index_ = 0;
+  last_loops_.clear();
+  raised_.clear();
+  handled_ = 0;
+  locations_.restart(stop_frame);
 }
 
 std::optional<ValueRef> Region::find_produced(const at::Tensor& t) const {

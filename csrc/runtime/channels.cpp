@@ -55,6 +55,7 @@ void ConcurrentChannel::throw_cancelled(const char* side) const {
 // ---- graph side -------------------------------------------------------------------------------
 
 int64_t ConcurrentChannel::take_decision(int64_t site) {
+  flush_published(false);
   StreamMark mark;  // a gate's; released after the lock, like tensors
   std::unique_lock lock(mu_);
   if (cancelled_) throw_cancelled("graph");
@@ -64,6 +65,7 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
     graph_waiting_ = site >= kScalarKeyBase ? GraphWait{GraphWait::Kind::kScalar, site - kScalarKeyBase}
                      : site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
                                             : GraphWait{GraphWait::Kind::kDecision, site};
+    flush_published(true);  // Python may wait for those values before it posts
     if (values_) values_->notify();
     wait_for_post(lock, [&] { return !q.empty(); });
     graph_waiting_.reset();
@@ -92,12 +94,14 @@ bool ConcurrentChannel::loop_cond(int64_t site) {
 }
 
 at::Tensor ConcurrentChannel::feed(int64_t slot) {
+  flush_published(false);
   std::unique_lock lock(mu_);
   if (cancelled_) throw_cancelled("graph");
   auto& q = feeds_[slot];
   if (q.empty()) {
     const auto t0 = Clock::now();
     graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
+    flush_published(true);  // Python may wait for those values before it posts
     if (values_) values_->notify();
     wait_for_post(lock, [&] { return !q.empty(); });
     graph_waiting_.reset();
@@ -128,14 +132,16 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
 void ConcurrentChannel::gate(int64_t node) { take_decision(kGateKeyBase + node); }
 
 void ConcurrentChannel::publish(int64_t tag, const at::Tensor& value) {
-  std::shared_ptr<ValueTable> values;
-  {
-    std::lock_guard lock(mu_);
-    if (cancelled_) throw_cancelled("graph");
-    values = values_;
+  if (cancelled_.load(std::memory_order_acquire)) {
+    std::lock_guard lock(mu_);  // (reason_ is read under it)
+    throw_cancelled("graph");
   }
-  if (!values) throw std::runtime_error("terra_torch: terra::publish ran on a channel without a value table");
-  values->publish(tag, value);
+  if (!values_) throw std::runtime_error("terra_torch: terra::publish ran on a channel without a value table");
+  values_->publish(tag, value);
+}
+
+void ConcurrentChannel::flush_published(bool wait) {
+  if (values_) values_->flush_pending(wait);
 }
 
 void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
@@ -258,10 +264,7 @@ void ConcurrentChannel::cancel(const std::string& reason) {
   python_cv_.notify_all();
 }
 
-bool ConcurrentChannel::cancelled() const {
-  std::lock_guard lock(mu_);
-  return cancelled_;
-}
+bool ConcurrentChannel::cancelled() const { return cancelled_.load(std::memory_order_acquire); }
 
 std::string ConcurrentChannel::cancel_reason() const {
   std::lock_guard lock(mu_);

@@ -71,8 +71,14 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void fetch(int64_t slot, const at::Tensor& value) override;
   // Co-execution: waits for Python's token for `node` (posted when Python validated the op).
   void gate(int64_t node) override;
-  // Co-execution: hands the value to the value table (which must be attached).
+  // Co-execution: hands the value to the value table (which must be attached). Takes no lock of
+  // the channel's: it runs once per value the graph computes, and each acquisition of mu_ could
+  // meet Python posting.
   void publish(int64_t tag, const at::Tensor& value) override;
+  // Publishes the values the table had to leave with the graph thread (ValueTable::publish):
+  // `wait` before the graph waits for Python (a channel op with nothing posted) and at the end
+  // of an iteration (the GraphRunner); otherwise only if Python does not hold the table's lock.
+  void flush_published(bool wait);
   double feed_scalar(int64_t slot) override;
   int64_t feed_int(int64_t slot) override;
 
@@ -102,7 +108,8 @@ class ConcurrentChannel final : public emit::ChannelSource {
   void use_streams(StreamSync streams) { streams_ = std::move(streams); }
   const StreamSync& streams() const { return streams_; }
   // The value table behind publish and deferred feeds; waiters on it are woken whenever the
-  // graph blocks here, so that they can tell "not yet" from "never".
+  // graph blocks here, so that they can tell "not yet" from "never". Attached before the graph
+  // runs, never changed afterwards: the graph thread reads it without the lock.
   void attach_values(std::shared_ptr<ValueTable> values);
   // The next value published at `slot`, waiting at most `max_wait`; nullopt on timeout. Values
   // published before a cancel stay readable; once the queue is empty a cancel throws.
@@ -153,7 +160,7 @@ class ConcurrentChannel final : public emit::ChannelSource {
   StreamSync streams_;
   std::shared_ptr<ValueTable> values_;
   std::unordered_map<int64_t, std::deque<at::Tensor>> fetched_;
-  bool cancelled_ = false;
+  std::atomic<bool> cancelled_{false};  // written under mu_; publish() reads it without
   // Counts posts and cancels (stored under mu_), so that the graph thread can spin on it
   // without the lock.
   std::atomic<uint64_t> post_seq_{0};

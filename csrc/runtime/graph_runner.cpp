@@ -87,10 +87,16 @@ struct GraphRunner::State {
       StreamSync::WorkerScope on_stream(channel->streams());
       channel->streams().worker_waits(mark);
       executor->run({});
+      channel->flush_published(true);  // the iteration's last values (ValueTable::publish)
       return nullptr;
     } catch (const abi::__forced_unwind&) {
       throw;  // thread cancellation (pthread_exit) must keep unwinding
     } catch (...) {
+      try {
+        channel->flush_published(true);  // what the graph computed before it failed stays readable
+      } catch (...) {
+        // (a second mismatch: the first error is the one to report)
+      }
       // A cancel unwinds the graph from a channel op with ChannelCancelled, but the TorchScript
       // interpreter rethrows every op's exception as its own runtime_error: ask the channel.
       if (channel->cancelled())

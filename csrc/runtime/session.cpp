@@ -56,6 +56,7 @@ bool Session::add(const capture::Region& region) {
 }
 
 void Session::build() {
+  spare_region_.reset();  // its hook is the runner replaced here
   if (runner_) {
     runner_->shut_down();
     runner_.reset();
@@ -85,7 +86,14 @@ PythonRunner& Session::runner() {
 
 std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops) {
   PythonRunner& r = runner();
-  auto region = std::make_shared<capture::Region>(&r, stop_frame);
+  std::shared_ptr<capture::Region> region;
+  if (spare_region_ != nullptr && spare_region_.use_count() == 1 && !spare_region_->is_open()) {
+    region = spare_region_;
+    region->reuse(stop_frame);
+  } else {
+    region = std::make_shared<capture::Region>(&r, stop_frame);
+    spare_region_ = region;
+  }
   region->locations().ignore_outermost_loops(ignore_outermost_loops);
   region->open();
   try {

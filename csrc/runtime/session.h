@@ -68,6 +68,9 @@ class Session {
   int64_t builds_ = 0;
   int64_t last_uncovered_ = -1;
   std::vector<std::vector<std::string>> node_frames_;
+  // The latest co-execution region, reused by the next open_region() when nobody else holds
+  // it (Python drops it when the iteration ends, unless a fallback's location keeps it).
+  std::shared_ptr<capture::Region> spare_region_;
 };
 
 }  // namespace terra::runtime

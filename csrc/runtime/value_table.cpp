@@ -1,5 +1,10 @@
 // ValueTable: one mutex, one condition variable (Python waits for the graph to publish).
 //
+// Locking: the graph thread only ever tries mu_ (publish) or takes it where it would wait for
+// Python anyway (flush_pending(true), take): a graph thread asleep on mu_ turns every Python
+// unlock into a futex wake-up. The Python thread takes it once per kStagedClaims claims and per
+// read or sweep.
+//
 // Tensors are never destroyed under mu_: a tensor whose Python object C++ kept alive takes the
 // GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
 #include "runtime/value_table.h"
@@ -25,30 +30,63 @@ void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published
 }
 
 void ValueTable::publish(int64_t tag, at::Tensor value) {
-  at::Tensor dropped;  // dies after the lock is released
+  pending_.emplace_back(tag, std::move(value));  // (an undefined value is published too)
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    if (pending_.size() < kMaxPending) return;
+    lock.lock();
+  }
+  publish_pending(lock);
+}
+
+void ValueTable::flush_pending(bool wait) {
+  if (pending_.empty()) return;
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    if (!wait) return;
+    lock.lock();
+  }
+  publish_pending(lock);
+}
+
+void ValueTable::publish_pending(std::unique_lock<std::mutex>& lock) {
   bool wake = false;
   {
-    std::lock_guard lock(mu_);
-    const int64_t index = published_++;
-    Entry& e = *entries_.try_emplace(index).first;
-    e.published = true;
-    if (e.expected) {
-      if (e.tag != tag) mismatch(index, e.tag, tag);
-      if (dead(e)) {
-        dropped = std::move(value);
-        entries_.erase(index);
-      } else {
-        e.value = std::move(value);
+    struct Clear {  // pending values are published once, also when one of them mismatches
+      std::vector<std::pair<int64_t, at::Tensor>>& pending;
+      ~Clear() { pending.clear(); }
+    } clear{pending_};
+    try {
+      for (auto& [tag, value] : pending_) {
+        const int64_t index = published_++;
+        Entry& e = *entries_.try_emplace(index).first;
+        e.published = true;
+        if (e.expected) {
+          if (e.tag != tag) mismatch(index, e.tag, tag);
+          if (dead(e)) {
+            dropped_.push_back(std::move(value));
+            entries_.erase(index);
+          } else {
+            e.value = std::move(value);
+          }
+        } else {
+          e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
+          e.value = std::move(value);
+        }
       }
-    } else {
-      e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
-      e.value = std::move(value);
+    } catch (...) {
+      published_seen_.store(published_, std::memory_order_release);
+      lock.unlock();
+      dropped_.clear();
+      throw;  // (pending_ is cleared on the way out, after the lock: its tensors die there)
     }
+    published_seen_.store(published_, std::memory_order_release);
     // Only the publish that reaches the count Python waits for wakes it: a wake per value made
     // the waiting thread and the worker trade the mutex (and two context switches) per op.
     wake = waiting_for_ > 0 && published_ >= waiting_for_;
-    published_seen_.store(published_, std::memory_order_release);
+    lock.unlock();
   }
+  dropped_.clear();
   if (wake) cv_.notify_all();
 }
 
@@ -255,6 +293,7 @@ void ValueTable::clear() {
   std::lock_guard lock(mu_);
   std::swap(dropped, entries_);
   claims_.clear();
+  pending_.clear();  // (the graph is stopped: its thread touches them no more)
   held_.clear();
   old_held_.clear();
   old_checked_ = 0;
