@@ -1,7 +1,18 @@
 #include "capture/program_location.h"
 
+// Python 3.11's frame structs (_PyInterpreterFrame, PyFrameObject's fields), as
+// torch/csrc/dynamo/cpython_defs.c reads them: walk_without_gil() reads them directly.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define TERRA_WALK_FRAME_STRUCTS 1
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#endif
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 #include <memory>
 #include <tuple>
@@ -85,7 +96,7 @@ bool read_pairs(PyObject* list, std::vector<Pair>& out) {
 }  // namespace
 
 const LocationTracker::CodeFacts& LocationTracker::code_facts(PyCodeObject* code) {
-  if (code == last_code_) return *last_facts_;  // consecutive ops mostly share frames
+  if (const CodeFacts* const* known = known_codes_.find(code)) return **known;
   auto& cache = loop_range_cache();
   std::unique_ptr<CodeFacts>* facts = cache.ranges.find(code);
   if (facts == nullptr) {
@@ -107,8 +118,7 @@ const LocationTracker::CodeFacts& LocationTracker::code_facts(PyCodeObject* code
       *facts = std::make_unique<CodeFacts>(std::move(found));
     }
   }
-  last_code_ = code;
-  last_facts_ = facts->get();
+  *known_codes_.try_emplace(code).first = facts->get();
   return **facts;
 }
 
@@ -120,7 +130,7 @@ void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std:
   for (size_t e = depth; e < scratch_.size(); ++e) {
     int offset = scratch_[e].lasti;
     bool nested = false;
-    for (const LoopRange& inner : loop_ranges(scratch_[e].code)) {
+    for (const LoopRange& inner : scratch_facts_[e]->loops) {
       bool encloses_ours = e == depth && inner.start <= loop.start && inner.end >= loop.end;
       if (!encloses_ours && offset >= inner.start && offset <= inner.end) {
         offset = inner.start;
@@ -133,23 +143,78 @@ void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std:
   }
 }
 
-uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded) {
+bool LocationTracker::walk_without_gil() {
+  walked_ = false;
+#ifdef TERRA_WALK_FRAME_STRUCTS
+  // TERRA_FRAME_WALK=api walks through the C API only (with the GIL), to compare the two walks
+  // (test_capture.py) or to step around an interpreter build whose structs differ.
+  static const bool structs = [] {
+    const char* v = std::getenv("TERRA_FRAME_WALK");
+    return v == nullptr || std::string(v) != "api";
+  }();
+  if (!structs) return false;
+  // What PyEval_GetFrame and PyFrame_GetBack would give, from the interpreter's own frames:
+  // incomplete frames (being set up, no instruction run yet) are skipped as they skip them. The
+  // stop frame and the anchor are compared through their objects' current frame pointers, read
+  // now: one that has returned owns a copy of its frame, which no running frame can equal.
+  PyThreadState* tstate = PyGILState_GetThisThreadState();
+  if (tstate == nullptr || tstate->cframe == nullptr) return false;
+  if (!outer_guarded_) return false;  // (asked once per region, with the GIL: capture())
+  auto complete = [](_PyInterpreterFrame* f) {
+    while (f != nullptr && _PyFrame_IsIncomplete(f)) f = f->previous;
+    return f;
+  };
+  const _PyInterpreterFrame* stop = stop_frame_ != nullptr ? stop_frame_->f_frame : nullptr;
+  const _PyInterpreterFrame* anchor = anchor_ != nullptr ? anchor_->f_frame : nullptr;
+  scratch_.clear();
+  scratch_facts_.clear();
+  guard_depth_ = SIZE_MAX;
+  for (_PyInterpreterFrame* f = complete(tstate->cframe->current_frame); f != nullptr && f != stop;
+       f = complete(f->previous)) {
+    const CodeFacts* const* known = known_codes_.find(f->f_code);
+    if (known == nullptr) return false;  // capture() asks Python for its facts (GIL)
+    const int lasti = _PyInterpreterFrame_LASTI(f);
+    scratch_.push_back({f->f_code, lasti < 0 ? -1 : lasti * static_cast<int>(sizeof(_Py_CODEUNIT))});
+    scratch_facts_.push_back(*known);
+    if (f == anchor && guard_depth_ == SIZE_MAX) guard_depth_ = scratch_.size();
+  }
+  std::reverse(scratch_.begin(), scratch_.end());
+  std::reverse(scratch_facts_.begin(), scratch_facts_.end());
+  walked_ = true;
+  return true;
+#else
+  return false;
+#endif
+}
+
+void LocationTracker::walk_with_api() {
   // Walk innermost -> outermost, then reverse, so that locations read top-down.
   scratch_.clear();
+  scratch_facts_.clear();
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   guard_depth_ = SIZE_MAX;
   while (frame != nullptr && frame != stop_frame_) {
     PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
     scratch_.push_back({code, PyFrame_GetLasti(frame)});
+    scratch_facts_.push_back(&code_facts(code));  // (pins the code object)
     if (frame == anchor_ && guard_depth_ == SIZE_MAX) guard_depth_ = scratch_.size();
-    Py_DECREF(code);  // code objects outlive their frames; the cache below pins the ones we keep
+    Py_DECREF(code);
     PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
     Py_DECREF(frame);
     frame = back;
   }
   Py_XDECREF(frame);
   std::reverse(scratch_.begin(), scratch_.end());
+  std::reverse(scratch_facts_.begin(), scratch_facts_.end());
+}
+
+uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded) {
+  if (!walked_) {
+    walk_with_api();
+    outer_guarded();  // (so that walk_without_gil() never needs to ask it)
+  }
+  walked_ = false;
 
   uint64_t id = 0x7e77a;
   active_.clear();
@@ -160,7 +225,7 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* 
     id = trace::hash_combine(trace::hash_combine(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
     // Every loop of this frame whose range holds lasti encloses the op (outer ranges first).
     if (d == 0 && ignore_outermost_loops_) continue;
-    for (const LoopRange& r : loop_ranges(f.code)) {
+    for (const LoopRange& r : scratch_facts_[d]->loops) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
       uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
       active_.push_back(loop_id);
@@ -188,10 +253,9 @@ uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* 
     interned->guarded = !met_anchor && outer_guarded();
     const size_t first = met_anchor ? scratch_.size() - guard_depth_ : 0;
     for (size_t d = 0; d < scratch_.size(); ++d) {
-      const FrameRef& f = scratch_[d];
-      const auto& facts = code_facts(f.code);  // (also pins each code object)
       if (d < first) continue;
-      for (const auto& [start, end] : facts.guarded) interned->guarded |= f.lasti >= start && f.lasti < end;
+      const FrameRef& f = scratch_[d];
+      for (const auto& [start, end] : scratch_facts_[d]->guarded) interned->guarded |= f.lasti >= start && f.lasti < end;
     }
   }
   if (guarded) *guarded = interned->guarded;

@@ -13,7 +13,8 @@
 // Its callers do not: a `try` around the whole training loop ends it on an error, and there an
 // error that surfaces a few ops late costs nothing, while checking first costs a wait per op.
 //
-// Only Python.h is needed here, so this TU stays cheap to compile. Every call needs the GIL.
+// Only Python.h (and, on 3.11, the interpreter's frame header) is needed here, so this TU stays
+// cheap to compile. Every call needs the GIL but walk_without_gil() and the capture() after it.
 #pragma once
 
 #include <Python.h>
@@ -56,8 +57,14 @@ class LocationTracker {
   LocationTracker(const LocationTracker&) = delete;
   LocationTracker& operator=(const LocationTracker&) = delete;
 
+  // Walks the calling thread's Python frames for the next capture() without the GIL. True when
+  // that capture() may then run without it: Python 3.11, whose frame structs are read directly
+  // (no frame objects are made, and a thread's own frames cannot change while it is inside a
+  // call), and every code object on the stack already known to this tracker. False: capture()
+  // needs the GIL (it walks again). The caller serializes it with capture(), as for capture().
+  bool walk_without_gil();
   // Location of the current Python stack; fills `loops` (outermost first) and, if given,
-  // `guarded`. Needs the GIL.
+  // `guarded`. Needs the GIL unless walk_without_gil() just returned true.
   uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded = nullptr);
 
   // An id for a location derived from another (backward ops: forward location + tag).
@@ -90,8 +97,10 @@ class LocationTracker {
   };
 
   static uint64_t derived_id(uint64_t base, uint64_t tag, uint64_t index);
+  // The facts of `code`: this tracker's table, else the process-wide cache (GIL needed).
   const CodeFacts& code_facts(PyCodeObject* code);
-  const std::vector<LoopRange>& loop_ranges(PyCodeObject* code) { return code_facts(code).loops; }
+  // Fills scratch_ (outermost first), scratch_facts_ and guard_depth_ through the C API (GIL).
+  void walk_with_api();
   void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
   bool outer_guarded();
@@ -105,8 +114,10 @@ class LocationTracker {
   // Whether an except clause of the stop frame covers the call that entered the region: the
   // frame is suspended in that call while the region is open, so it is asked once.
   std::optional<bool> outer_guarded_;
-  PyCodeObject* last_code_ = nullptr;  // one-entry memo in front of the process-wide cache
-  const CodeFacts* last_facts_ = nullptr;
+  // The code objects this tracker has met (entries of the process-wide cache, which never
+  // frees them): read without the GIL, filled with it.
+  common::FlatMap<PyCodeObject*, const CodeFacts*> known_codes_{64};
+  bool walked_ = false;  // scratch_ holds walk_without_gil()'s walk for the next capture()
   struct Interned {
     std::vector<FrameRef> frames;
     bool guarded = false;
@@ -126,6 +137,7 @@ class LocationTracker {
   std::vector<uint64_t> previous_active_;  // ... and the previous op
   std::vector<int64_t> position_;
   std::vector<FrameRef> scratch_;
+  std::vector<const CodeFacts*> scratch_facts_;  // scratch_[d]'s facts
 };
 
 template <typename Label>

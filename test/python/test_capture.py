@@ -424,3 +424,74 @@ def test_guarded_ranges_are_the_except_clauses_that_can_catch_a_kernel_error():
         return a, b, c, d, e, g
 
     assert _guarded_lines(f) == {4, 16, 22}
+
+
+_WALK_PROGRAM = r'''
+import json, sys, torch
+from terra_torch import debug
+
+def gen(x):
+    for _ in range(2):
+        yield torch.relu(x)          # resumed from two different functions below
+
+def first(g):
+    return next(g) * 2
+
+def second(g):
+    return next(g) + 1
+
+def site(x):
+    return torch.tanh(x)
+
+def program(x):
+    g = gen(x)
+    a, b = first(g), second(g)
+    c = site(a)                      # one function, two call sites
+    d = site(b)
+    e = sum(torch.sigmoid(t) for t in (c, d))  # a generator expression
+    return loops((lambda t: t.exp())(e))
+
+def loops(f):
+    for i in range(3):               # a loop of the program
+        f = f - 1
+        for _ in range(2):           # nested (two ops: a body of one op never looks started over)
+            f = f * 0.5
+            f = f + 1
+    return f
+
+_, trace = debug.record(program, torch.randn(3))
+loop_ids = {}
+out = [[op.name, str(op.location), [[loop_ids.setdefault(lid, len(loop_ids)), it] for lid, it in op.loops]]
+       for op in trace.ops]
+print(json.dumps(out))
+'''
+
+
+def test_frame_walk_without_the_gil_gives_the_api_walks_locations(tmp_path):
+    # On Python 3.11 the location walk reads the interpreter's frame structs without the GIL
+    # (capture/program_location.cpp); TERRA_FRAME_WALK=api walks through the C API. Both must give
+    # the same frames and loop iterations for every op: generator frames resumed from different
+    # callers, one function reached from two sites, a generator expression, a lambda, nested loops.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "walk.py"
+    script.write_text(_WALK_PROGRAM)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    results = {}
+    for walk in ("structs", "api"):
+        env = dict(os.environ, TERRA_FRAME_WALK=walk, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[walk] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["structs"] == results["api"]
+    ops = results["api"]
+    relus = [o for o in ops if o[0] == "aten::relu"]
+    assert len(relus) == 2 and relus[0][1] != relus[1][1]  # the resuming caller is part of the location
+    assert "first" in relus[0][1] and "second" in relus[1][1]
+    tanhs = [o for o in ops if o[0] == "aten::tanh"]
+    assert len(tanhs) == 2 and tanhs[0][1] != tanhs[1][1]
+    muls = [o for o in ops if o[0].startswith("aten::mul") and o[2]]
+    assert [tuple(it for _, it in o[2]) for o in muls] == [(i, j) for i in range(3) for j in range(2)]
