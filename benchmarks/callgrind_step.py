@@ -29,6 +29,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.coexec_profile import OPTIMIZERS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -73,7 +75,7 @@ def inclusive(path: Path) -> Counter:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", default="adam", choices=("sgd", "adam", "adam-fused", "adam-foreach"))
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--steps", type=int, default=200, help="N: the two runs take N and 2N steps")
     p.add_argument("--eager", action="store_true", help="the same loop eagerly")
     p.add_argument("--match", default="terra::", help="regular expression: which functions to list")

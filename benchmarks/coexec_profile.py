@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+OPTIMIZERS = ("sgd", "adam", "adam-fused", "adam-foreach")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", choices=("sgd", "adam", "adam-fused", "adam-foreach"), default="adam")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--eager", action="store_true", help="run eagerly (the same loop, for comparison)")
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--threads", type=int, default=1)

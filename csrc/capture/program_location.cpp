@@ -144,7 +144,6 @@ void LocationTracker::position_in_loop(size_t depth, const LoopRange& loop, std:
 }
 
 bool LocationTracker::walk_without_gil() {
-  walked_ = false;
 #ifdef TERRA_WALK_FRAME_STRUCTS
   // TERRA_FRAME_WALK=api walks through the C API only (with the GIL), to compare the two walks
   // (test_capture.py) or to step around an interpreter build whose structs differ.
@@ -178,9 +177,6 @@ bool LocationTracker::walk_without_gil() {
     scratch_facts_.push_back(*known);
     if (f == anchor && guard_depth_ == SIZE_MAX) guard_depth_ = scratch_.size();
   }
-  std::reverse(scratch_.begin(), scratch_.end());
-  std::reverse(scratch_facts_.begin(), scratch_facts_.end());
-  walked_ = true;
   return true;
 #else
   return false;
@@ -188,7 +184,6 @@ bool LocationTracker::walk_without_gil() {
 }
 
 void LocationTracker::walk_with_api() {
-  // Walk innermost -> outermost, then reverse, so that locations read top-down.
   scratch_.clear();
   scratch_facts_.clear();
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
@@ -205,16 +200,16 @@ void LocationTracker::walk_with_api() {
     frame = back;
   }
   Py_XDECREF(frame);
-  std::reverse(scratch_.begin(), scratch_.end());
-  std::reverse(scratch_facts_.begin(), scratch_facts_.end());
 }
 
-uint64_t LocationTracker::capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded) {
-  if (!walked_) {
+uint64_t LocationTracker::capture(bool walked, c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded) {
+  if (!walked) {
     walk_with_api();
     outer_guarded();  // (so that walk_without_gil() never needs to ask it)
   }
-  walked_ = false;
+  // Both walks go innermost -> outermost; locations read top-down.
+  std::reverse(scratch_.begin(), scratch_.end());
+  std::reverse(scratch_facts_.begin(), scratch_facts_.end());
 
   uint64_t id = 0x7e77a;
   active_.clear();

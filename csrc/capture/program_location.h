@@ -64,8 +64,9 @@ class LocationTracker {
   // needs the GIL (it walks again). The caller serializes it with capture(), as for capture().
   bool walk_without_gil();
   // Location of the current Python stack; fills `loops` (outermost first) and, if given,
-  // `guarded`. Needs the GIL unless walk_without_gil() just returned true.
-  uint64_t capture(c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded = nullptr);
+  // `guarded`. `walked`: walk_without_gil() just returned true for this op, so capture() uses
+  // its walk and needs no GIL; otherwise it walks through the C API (GIL needed).
+  uint64_t capture(bool walked, c10::SmallVectorImpl<LoopFrame>* loops, bool* guarded = nullptr);
 
   // An id for a location derived from another (backward ops: forward location + tag).
   // `label` (the autograd node's name) is asked for only the first time an id is seen, since
@@ -99,7 +100,7 @@ class LocationTracker {
   static uint64_t derived_id(uint64_t base, uint64_t tag, uint64_t index);
   // The facts of `code`: this tracker's table, else the process-wide cache (GIL needed).
   const CodeFacts& code_facts(PyCodeObject* code);
-  // Fills scratch_ (outermost first), scratch_facts_ and guard_depth_ through the C API (GIL).
+  // Fills scratch_ (innermost first), scratch_facts_ and guard_depth_ through the C API (GIL).
   void walk_with_api();
   void position_in_loop(size_t depth, const LoopRange& loop, std::vector<int64_t>* out);
 
@@ -117,7 +118,6 @@ class LocationTracker {
   // The code objects this tracker has met (entries of the process-wide cache, which never
   // frees them): read without the GIL, filled with it.
   common::FlatMap<PyCodeObject*, const CodeFacts*> known_codes_{64};
-  bool walked_ = false;  // scratch_ holds walk_without_gil()'s walk for the next capture()
   struct Interned {
     std::vector<FrameRef> frames;
     bool guarded = false;

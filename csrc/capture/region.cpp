@@ -275,13 +275,14 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   rec.attributes_hash = h;
 }
 
-uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool* guarded) {
+uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
+                        bool* guarded) {
   // The Python stack gives forward ops their location and every op its loop context. Backward
   // ops on CPU run on the thread that called backward(), whose frames are still there; on an
   // engine device thread there are none, and the newest forward op's loops stand in.
   uint64_t site = 0;
   if (has_python) {
-    site = locations_.capture(&rec.loops, node == nullptr ? guarded : nullptr);
+    site = locations_.capture(walked, &rec.loops, node == nullptr ? guarded : nullptr);
     last_loops_ = rec.loops;
   } else {
     rec.loops = last_loops_;
@@ -373,7 +374,8 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   if (g_failure_armed.load(std::memory_order_relaxed)) check_injected_failure(op);
   GilForLocations gil;
   std::unique_lock<std::mutex> lock(mu_);
-  if (has_python && !locations_.walk_without_gil()) {
+  const bool walked = has_python && locations_.walk_without_gil();
+  if (has_python && !walked) {
     lock.unlock();
     gil.take();
     lock.lock();
@@ -384,7 +386,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   OpRecord& rec = trace_.ops.emplace_back(op);
   bool guarded = false;
   try {
-    rec.location = locate(rec, index, node.get(), has_python, &guarded);
+    rec.location = locate(rec, index, node.get(), has_python, walked, &guarded);
   } catch (...) {
     trace_.ops.pop_back();
     throw;
@@ -470,7 +472,8 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     }
     return flat;
   };
-  if (const bool collective = needs_data && is_collective(op); needs_data && (collective || writes_an_argument(op))) {
+  if (needs_data && (is_collective(op) || writes_an_argument(op))) {
+    const bool collective = is_collective(op);
     // Run for real here, it would run again in the graph (which holds the node) and its write
     // would happen twice; a collective run here could overtake the graph's earlier ones (a read
     // waits only for its own inputs). The rest of the iteration runs eagerly instead, after the

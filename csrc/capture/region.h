@@ -97,7 +97,9 @@ class Region {
   ValueRef reference(const at::Tensor& t);  // value_of() without the lock
   std::optional<ValueRef> find_produced(const at::Tensor& t) const;  // produced() without the lock
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
-  uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool* guarded);
+  // `walked`: the stack was walked without the GIL for this op (LocationTracker::walk_without_gil).
+  uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
+                  bool* guarded);
   // Co-execution of a checked op: its inputs get their values and it runs once for real on
   // them (written arguments cloned) before the graph may run it. Rethrows what it raised.
   void check_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,

@@ -31,12 +31,7 @@ void ValueTable::mismatch(int64_t index, int64_t expected_tag, int64_t published
 
 void ValueTable::publish(int64_t tag, at::Tensor value) {
   pending_.emplace_back(tag, std::move(value));  // (an undefined value is published too)
-  std::unique_lock lock(mu_, std::try_to_lock);
-  if (!lock.owns_lock()) {
-    if (pending_.size() < kMaxPending) return;
-    lock.lock();
-  }
-  publish_pending(lock);
+  flush_pending(/*wait=*/pending_.size() >= kMaxPending);
 }
 
 void ValueTable::flush_pending(bool wait) {
@@ -50,43 +45,43 @@ void ValueTable::flush_pending(bool wait) {
 }
 
 void ValueTable::publish_pending(std::unique_lock<std::mutex>& lock) {
+  // On every path, a mismatch's too: the count for spinners is stored, the lock goes, and only
+  // then do the published-over and dropped values die (never under mu_). Each pending value is
+  // published once.
+  struct Release {
+    ValueTable& table;
+    std::unique_lock<std::mutex>& lock;
+    ~Release() {
+      table.published_seen_.store(table.published_, std::memory_order_release);
+      if (lock.owns_lock()) lock.unlock();
+      table.pending_.clear();
+      table.dropped_.clear();
+    }
+  };
   bool wake = false;
   {
-    struct Clear {  // pending values are published once, also when one of them mismatches
-      std::vector<std::pair<int64_t, at::Tensor>>& pending;
-      ~Clear() { pending.clear(); }
-    } clear{pending_};
-    try {
-      for (auto& [tag, value] : pending_) {
-        const int64_t index = published_++;
-        Entry& e = *entries_.try_emplace(index).first;
-        e.published = true;
-        if (e.expected) {
-          if (e.tag != tag) mismatch(index, e.tag, tag);
-          if (dead(e)) {
-            dropped_.push_back(std::move(value));
-            entries_.erase(index);
-          } else {
-            e.value = std::move(value);
-          }
+    const Release release{*this, lock};
+    for (auto& [tag, value] : pending_) {
+      const int64_t index = published_++;
+      Entry& e = *entries_.try_emplace(index).first;
+      e.published = true;
+      if (e.expected) {
+        if (e.tag != tag) mismatch(index, e.tag, tag);
+        if (dead(e)) {
+          dropped_.push_back(std::move(value));
+          entries_.erase(index);
         } else {
-          e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
           e.value = std::move(value);
         }
+      } else {
+        e.tag = tag;  // Python has not got here yet: keep it for the placeholder to come
+        e.value = std::move(value);
       }
-    } catch (...) {
-      published_seen_.store(published_, std::memory_order_release);
-      lock.unlock();
-      dropped_.clear();
-      throw;  // (pending_ is cleared on the way out, after the lock: its tensors die there)
     }
-    published_seen_.store(published_, std::memory_order_release);
     // Only the publish that reaches the count Python waits for wakes it: a wake per value made
     // the waiting thread and the worker trade the mutex (and two context switches) per op.
     wake = waiting_for_ > 0 && published_ >= waiting_for_;
-    lock.unlock();
   }
-  dropped_.clear();
   if (wake) cv_.notify_all();
 }
 

@@ -110,8 +110,8 @@ class ValueTable {
   }
   [[noreturn]] static void mismatch(int64_t index, int64_t expected_tag, int64_t published_tag);
   // Graph thread, `lock` holding mu_: publishes pending_ in order, releases the lock, then the
-  // values nobody needs die and a waiting Python is woken. Each pending value is published
-  // once, also when one of them mismatches (the exception leaves with the lock released).
+  // values nobody needs die and a waiting Python is woken (a mismatch leaves with the lock
+  // released).
   void publish_pending(std::unique_lock<std::mutex>& lock);
   // A claim expect() has not applied yet (Python thread only): the entry's Python half. It holds
   // the holder weakly, like the entry: a strong reference would be visible to the program
