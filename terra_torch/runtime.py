@@ -110,9 +110,9 @@ class Program:
         self._region: Any = None
         self._region_phase = ""
         self._t0 = 0
-        self._counts0: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._timeline = Timeline()  # phase changes and fallbacks; iterations are in _iteration_log
-        # (iteration, phase, start ns, end ns, counters at start, at end): bounded like a timeline.
+        # Traced iterations, (iteration, phase, start ns, end ns): bounded like a timeline. The
+        # session logs the co-executed ones (Session.iteration_spans).
         self._iteration_log: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=_ITERATIONS_KEPT)
         self._monitor = _log.DivergenceMonitor()
         self.evaluation: Program | None = None  # a wrapped model's eval-mode program (api.wrap)
@@ -151,13 +151,14 @@ class Program:
                 self._speed_observe(self._speed_pending, (start - self._last_begin_ns) / 1e9)
             self._speed_pending, self._last_begin_ns = None, start
             self._region_phase = self.phase
-            self._t0 = time.monotonic_ns()
+            self._t0 = start
             _active = self
             if self.phase == "eager":
                 return
             if self.phase == "coexec":
                 try:
-                    self._region = self._session.open(stop_frame, True)
+                    # (the session logs the iteration's span and Python's stalls in it)
+                    self._region = self._session.open(stop_frame, True, self.iteration)
                 except RuntimeError as e:
                     # The graph failed in an op whose arguments only the data could refuse (an
                     # index out of range): eager would have raised there. Raise it now and
@@ -170,7 +171,6 @@ class Program:
                 self._region = _C.Region("record", stop_frame)
                 self._region.ignore_outermost_loops()
                 self._region.open()
-            self._counts0 = self._session.counters()  # (stall_ns, decisions, feeds, reads)
 
     def end(self, partial: bool = False) -> None:
         """End the open iteration: merge its trace, move between phases. `partial`: the iteration
@@ -198,18 +198,10 @@ class Program:
                             self._move("tracing", f"retrying after {self._backoff // 2} eager iterations")
                 return
             phase = self._region_phase
-            now = time.monotonic_ns()
-            elapsed = (now - self._t0) / 1e9
             self._stats.iterations[phase] += 1
             if phase == "coexec":
+                # (its span, stalls and channel traffic are logged by the session: timeline())
                 diverged = self._session.close(region, partial)
-                counts = self._session.counters()
-                stall = (counts[0] - self._counts0[0]) / 1e9
-                self._stats.python_stall_s += stall
-                self._stats.python_exec_s += max(0.0, elapsed - stall)
-                # One tuple per iteration; timeline() turns them into events (nothing is formatted
-                # at every iteration boundary).
-                self._iteration_log.append((self.iteration, phase, self._t0, now, self._counts0, counts))
                 if diverged:
                     fallback = self._record_fallback(region)
                     unsupported = self._session.diverged_at_unsupported()
@@ -231,9 +223,12 @@ class Program:
                     if not partial:
                         self._speed_pending = COEXEC
             else:
-                self._iteration_log.append((self.iteration, phase, self._t0, now, None, None))
+                now = time.monotonic_ns()
+                # One tuple per iteration; timeline() turns them into events (nothing is formatted
+                # at an iteration boundary).
+                self._iteration_log.append((self.iteration, phase, self._t0, now))
                 region.close()
-                self._stats.tracing_s += elapsed
+                self._stats.tracing_s += (now - self._t0) / 1e9
                 if partial:
                     self.iteration += 1
                     return
@@ -384,6 +379,8 @@ class Program:
         raw = dict(self._session.stats)
         s.runner = raw
         s.fallbacks = len(self.fallbacks)
+        exec_ns, stall_ns = self._session.python_times()
+        s.python_exec_s, s.python_stall_s = exec_ns / 1e9, stall_ns / 1e9
         s.graph_exec_s = max(0, raw.get("graph_exec_ns", 0) - raw.get("graph_stall_ns", 0)) / 1e9
         s.graph_stall_s = raw.get("graph_stall_ns", 0) / 1e9
         return s
@@ -399,25 +396,23 @@ class Program:
         self._timeline.instant(f"{old} -> {phase}", "decision", PYTHON_RUNNER, args={"reason": reason})
 
     @staticmethod
-    def _iteration_events(out: Timeline, entry: tuple[Any, ...]) -> None:
-        """The events of one logged iteration. Where in the iteration Python waited is not
-        recorded, only how long: the stall is drawn at the iteration's end, and the channel
-        traffic as counters."""
-        iteration, phase, t0, t1, c0, c1 = entry
-        out.complete(f"iteration {iteration} ({phase})", "exec", PYTHON_RUNNER, t0, t1 - t0)
-        if c0 is None:
-            return
-        stall = c1[0] - c0[0]
+    def _coexec_events(out: Timeline, span: tuple[int, ...]) -> None:
+        """The events of one co-executed iteration (Session.iteration_spans). Where in the
+        iteration Python waited is not recorded, only how long: the stall is drawn at the
+        iteration's end, and the channel traffic as counters."""
+        iteration, t0, t1, stall, decisions, feeds, reads = span
+        out.complete(f"iteration {iteration} (coexec)", "exec", PYTHON_RUNNER, t0, t1 - t0)
         if stall > 0:
             out.complete("stalled on the graph", "stall", PYTHON_RUNNER, t1 - stall, stall, {"position": "approximate"})
-        out.counter("channel", {"decisions": c1[1] - c0[1], "feeds": c1[2] - c0[2], "python_reads": c1[3] - c0[3]},
-                    t1, cat="feed")
+        out.counter("channel", {"decisions": decisions, "feeds": feeds, "python_reads": reads}, t1, cat="feed")
 
     def timeline(self) -> Timeline:
         """Both runners on one time axis (Chrome trace JSON: .save(path), open in Perfetto)."""
         out = Timeline(origin_ns=self._timeline.origin_ns, max_events=None)
-        for entry in self._iteration_log:
-            self._iteration_events(out, entry)
+        for iteration, phase, t0, t1 in self._iteration_log:
+            out.complete(f"iteration {iteration} ({phase})", "exec", PYTHON_RUNNER, t0, t1 - t0)
+        for span in self._session.iteration_spans():
+            self._coexec_events(out, span)
         out._events.extend(self._timeline._events)  # noqa: SLF001 - same module family
         for k, (start, end) in enumerate(self._session.graph_spans()):
             out.complete(f"graph run {k}", "exec", GRAPH_RUNNER, start, end - start)

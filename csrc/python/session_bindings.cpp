@@ -102,11 +102,11 @@ void init_session(py::module_& m) {
       .def_property_readonly("num_traces", &Session::num_traces)
       .def(
           "open",
-          [](Session& s, py::object stop_frame, bool ignore_outermost_loops) {
+          [](Session& s, py::object stop_frame, bool ignore_outermost_loops, int64_t iteration) {
             auto* frame = stop_frame.is_none() ? nullptr : reinterpret_cast<PyFrameObject*>(stop_frame.ptr());
-            return s.open_region(frame, ignore_outermost_loops);
+            return s.open_region(frame, ignore_outermost_loops, iteration);
           },
-          py::arg("stop_frame"), py::arg("ignore_outermost_loops") = false)
+          py::arg("stop_frame"), py::arg("ignore_outermost_loops") = false, py::arg("iteration") = -1)
       .def(
           "close", [](Session& s, capture::Region& region, bool partial) { return s.close_region(region, partial); },
           py::arg("region"), py::arg("partial") = false)
@@ -192,15 +192,18 @@ void init_session(py::module_& m) {
                              })
       .def_property_readonly("stats", &session_stats)
       .def(
-          "counters",
-          [](Session& s) {
-            // What every iteration boundary reads: a tuple, not stats' dictionary.
-            if (!s.has_runner()) return py::make_tuple(int64_t(0), int64_t(0), int64_t(0), int64_t(0));
-            const runtime::PythonRunnerStats p = s.runner().stats();
-            const runtime::ChannelStats c = s.runner().channel_stats();
-            return py::make_tuple(int64_t(p.stall_ns), int64_t(c.decisions), int64_t(c.feeds), int64_t(p.reads));
+          "iteration_spans",
+          [](const Session& s) {
+            py::list out;
+            for (const Session::IterationSpan& i : s.iteration_spans())
+              out.append(py::make_tuple(i.iteration, i.start_ns, i.end_ns, i.stall_ns, i.decisions, i.feeds, i.reads));
+            return out;
           },
-          "(python_stall_ns, decisions, feeds, python_reads) so far")
+          "(iteration, start_ns, end_ns, stall_ns, decisions, feeds, python_reads) per co-executed iteration, "
+          "the latest 200,000")
+      .def(
+          "python_times", [](const Session& s) { return py::make_tuple(s.python_exec_ns(), s.python_stall_ns()); },
+          "(exec_ns, stall_ns): Python's time in co-executed iterations minus its stalls, and its stalls")
       .def_property_readonly("structure", &structure)
       .def("to_dot", &session_dot, py::arg("title") = "")
       .def("graph_spans", [](Session& s) {

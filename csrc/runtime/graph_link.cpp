@@ -65,6 +65,7 @@ void PythonRunner::post(Post p) {
 }
 
 void PythonRunner::flush() {
+  for (const Post& p : pending_) ++(p.kind == Post::Kind::kDecision ? stats_.posted_decisions : stats_.posted_feeds);
   if (drive_ == Drive::kCoExec) {
     for (const Post& p : pending_) {
       if (p.kind == Post::Kind::kDecision || !p.tensor.defined()) continue;

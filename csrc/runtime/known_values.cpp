@@ -1,6 +1,9 @@
 #include "runtime/known_values.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+
+#include <cstring>
 
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
@@ -29,6 +32,15 @@ void KnownValues::learn(const at::Tensor& t) {
 }
 
 at::Tensor KnownValues::copy_of(const at::Tensor& t) {
+  // Known values and recipe inputs are a few elements of CPU memory: a dense one is copied
+  // without the dispatcher (clone() through it cost more than the op whose argument it copied).
+  if (t.is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg() &&
+      t.data_ptr() != nullptr) {
+    at::Tensor copy = at::detail::empty_cpu(t.sizes(), t.scalar_type(), std::nullopt, std::nullopt, std::nullopt,
+                                            std::nullopt);
+    std::memcpy(copy.data_ptr(), t.data_ptr(), t.nbytes());
+    return copy;
+  }
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   return t.clone();
@@ -106,6 +118,9 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
   // (First what most ops fail: an optimizer's ops write their arguments.)
   if (capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
   Recipe r;
+  // Arguments to copy (index into r.args, source), copied only once the recipe turns out to
+  // need the graph for another argument: most ops whose tensors are all real end up with none.
+  c10::SmallVector<std::pair<size_t, const at::Tensor*>, 4> copies;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& a = args[i];
     if (a.isTensorList() || a.isOptionalTensorList()) return;
@@ -121,7 +136,8 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
     const int64_t n = t.numel();
     if (n > kMaxRecipeElements || !t.is_cpu() || t.layout() != c10::kStrided) return;  // (most ops end here)
     if (const Known* k = n <= kMaxKnownElements ? find(t) : nullptr) {
-      r.args.emplace_back(copy_of(k->value));  // (a followed in-place op updates the known copy)
+      copies.emplace_back(r.args.size(), &k->value);  // (a followed in-place op updates the known copy)
+      r.args.emplace_back();
       continue;
     }
     if (capture::is_placeholder(t)) {
@@ -135,7 +151,8 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
     } else if (!t.is_inference() && memory_is_value(t)) {
       // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
       if (n <= kMaxKnownElements) {
-        r.args.emplace_back(copy_of(t));
+        copies.emplace_back(r.args.size(), &t);
+        r.args.emplace_back();
         continue;
       }
       r.inputs.push_back({i, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
@@ -145,6 +162,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
     r.args.emplace_back();  // (filled in when the recipe runs)
   }
   if (r.inputs.empty()) return;
+  for (const auto& [slot, source] : copies) r.args[slot] = copy_of(*source);
   r.op = op;
   planned_ = std::move(r);
 }

@@ -43,6 +43,8 @@ struct PythonRunnerStats {
   int64_t materialized = 0;    // placeholders given their value
   int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
   int64_t early_reads = 0;     // reads that waited only for the values they read (read_horizon)
+  int64_t posted_decisions = 0;  // decisions (with gates and scalars) and feeds sent to the graph
+  int64_t posted_feeds = 0;
 };
 
 // Co-execution sends posts in batches of this many (and whenever Python waits or an iteration

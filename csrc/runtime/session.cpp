@@ -2,6 +2,8 @@
 
 #include <torch/csrc/jit/ir/ir.h>
 
+#include "common/clock.h"
+
 #include "emit/graph_emitter.h"
 #include "trace/case_assignment.h"
 #include "trace/cursor.h"
@@ -84,8 +86,24 @@ PythonRunner& Session::runner() {
   return *runner_;
 }
 
-std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops) {
+Session::IterationSpan Session::counters_now() {
+  IterationSpan now;
+  now.start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(common::Clock::now().time_since_epoch()).count();
+  if (runner_ != nullptr) {
+    const PythonRunnerStats p = runner_->stats();
+    now.stall_ns = p.stall_ns;
+    now.decisions = p.posted_decisions;
+    now.feeds = p.posted_feeds;
+    now.reads = p.reads;
+  }
+  return now;
+}
+
+std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops,
+                                                      int64_t iteration) {
   PythonRunner& r = runner();
+  open_span_ = counters_now();
+  open_span_.iteration = iteration;
   std::shared_ptr<capture::Region> region;
   if (spare_region_ != nullptr && spare_region_.use_count() == 1 && !spare_region_->is_open()) {
     region = spare_region_;
@@ -114,6 +132,18 @@ bool Session::close_region(capture::Region& region, bool partial) {
     throw;
   }
   region.close();
+  // The iteration's span: counters are cumulative, so its own are the differences.
+  const IterationSpan now = counters_now();
+  IterationSpan span = open_span_;
+  span.end_ns = now.start_ns;
+  span.stall_ns = now.stall_ns - open_span_.stall_ns;
+  span.decisions = now.decisions - open_span_.decisions;
+  span.feeds = now.feeds - open_span_.feeds;
+  span.reads = now.reads - open_span_.reads;
+  python_stall_ns_ += span.stall_ns;
+  python_exec_ns_ += std::max<int64_t>(0, span.end_ns - span.start_ns - span.stall_ns);
+  if (spans_.size() >= kMaxIterationSpans) spans_.pop_front();
+  spans_.push_back(span);
   return diverged;
 }
 

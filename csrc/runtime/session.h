@@ -7,6 +7,8 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,10 +47,29 @@ class Session {
   PythonRunner& runner();
 
   // A co-execution region whose ops the runner validates; its graph iteration is started.
-  std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops = false);
+  // `iteration` is the program's count, for the iteration log.
+  std::shared_ptr<capture::Region> open_region(PyFrameObject* stop_frame, bool ignore_outermost_loops = false,
+                                               int64_t iteration = -1);
   // Ends the iteration and closes the region. Returns true if it diverged. `partial`: see
   // PythonRunner::end_iteration.
   bool close_region(capture::Region& region, bool partial = false);
+
+  // One co-executed iteration as Python's side saw it, from open_region to close_region: what
+  // timelines draw and stats() sums. Kept here rather than in the phase machine
+  // (terra_torch/runtime.py), which used to read two clocks and two counter tuples per
+  // iteration for it: a boundary crosses into the extension twice (open, close), not four times.
+  struct IterationSpan {
+    int64_t iteration = -1;
+    int64_t start_ns = 0, end_ns = 0;  // steady clock (CLOCK_MONOTONIC, as time.monotonic_ns)
+    int64_t stall_ns = 0;              // Python blocked on the graph
+    int64_t decisions = 0, feeds = 0, reads = 0;
+  };
+  // The latest kMaxIterationSpans co-executed iterations, oldest first.
+  static constexpr size_t kMaxIterationSpans = 200'000;
+  const std::deque<IterationSpan>& iteration_spans() const { return spans_; }
+  // Sums over every co-executed iteration: Python's time in them minus its stalls, and the stalls.
+  int64_t python_exec_ns() const { return python_exec_ns_; }
+  int64_t python_stall_ns() const { return python_stall_ns_; }
 
   const emit::CapturedProgram& program() const { return program_; }
   const trace::Program* structured() const { return structured_ ? &*structured_ : nullptr; }
@@ -71,6 +92,12 @@ class Session {
   // The latest co-execution region, reused by the next open_region() when nobody else holds
   // it (Python drops it when the iteration ends, unless a fallback's location keeps it).
   std::shared_ptr<capture::Region> spare_region_;
+  // The open iteration's span: its start and the runner's counters then.
+  IterationSpan open_span_;
+  std::deque<IterationSpan> spans_;
+  int64_t python_exec_ns_ = 0, python_stall_ns_ = 0;
+  // The runner's cumulative counters, in IterationSpan's fields (start_ns: now).
+  IterationSpan counters_now();
 };
 
 }  // namespace terra::runtime

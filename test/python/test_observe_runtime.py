@@ -76,6 +76,27 @@ def test_timeline_holds_both_runners(tmp_path):
     terra_torch.unwrap(m)
 
 
+def test_the_session_logs_every_coexecuted_iteration():
+    # The iteration boundary no longer reads clocks and counters in Python: the session keeps one
+    # span per co-executed iteration. It must agree with the phase machine's own counts, in order,
+    # and its sums are what stats() reports.
+    m = terra_torch.wrap(mlp(), speed_check=False)
+    train(m, 12)
+    program = m._terra_program
+    spans = program._session.iteration_spans()
+    s = terra_torch.stats(m)
+    assert len(spans) == s.iterations["coexec"] > 0
+    iterations = [sp[0] for sp in spans]
+    assert iterations == sorted(iterations) and len(set(iterations)) == len(iterations)
+    assert iterations[-1] == program.iteration - 1  # (synchronize() ended the last one)
+    for _it, start, end, stall, decisions, feeds, reads in spans:
+        assert 0 < start < end and 0 <= stall <= end - start
+        assert decisions > 0 and feeds > 0  # every iteration posts its path and its batch
+    assert s.python_stall_s == pytest.approx(sum(sp[3] for sp in spans) / 1e9)
+    assert s.python_exec_s == pytest.approx(sum(sp[2] - sp[1] - sp[3] for sp in spans) / 1e9)
+    terra_torch.unwrap(m)
+
+
 def test_phase_changes_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="terra_torch"):
         m = terra_torch.wrap(mlp())
