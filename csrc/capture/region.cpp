@@ -1,6 +1,5 @@
 #include "capture/region.h"
 
-#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -14,6 +13,7 @@
 
 #include "capture/coexec_hook.h"
 #include "capture/collectives.h"
+#include "capture/dense_copy.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
@@ -85,9 +85,8 @@ struct MetaOf {
 // (a clone() op cost more than the rest of the record of the op that read it).
 at::Tensor copy_wrapped_number(const at::Tensor& t) {
   at::Tensor copy;
-  if (t.is_cpu() && t.dim() == 0 && t.data_ptr() != nullptr) {
-    copy = at::detail::empty_cpu({}, t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-    std::memcpy(copy.data_ptr(), t.data_ptr(), t.element_size());
+  if (std::optional<at::Tensor> dense = copy_dense_cpu(t)) {
+    copy = *std::move(dense);
   } else {
     SuspendGuard no_interception;
     c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);

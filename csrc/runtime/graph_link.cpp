@@ -65,13 +65,15 @@ void PythonRunner::post(Post p) {
 }
 
 void PythonRunner::flush() {
-  for (const Post& p : pending_) ++(p.kind == Post::Kind::kDecision ? stats_.posted_decisions : stats_.posted_feeds);
-  if (drive_ == Drive::kCoExec) {
-    for (const Post& p : pending_) {
-      if (p.kind == Post::Kind::kDecision || !p.tensor.defined()) continue;
-      if (kept_feeds_.empty() || kept_feeds_.back().first != started_) kept_feeds_.emplace_back(started_, std::vector<at::Tensor>());
-      kept_feeds_.back().second.push_back(p.tensor);
+  for (const Post& p : pending_) {
+    if (p.kind == Post::Kind::kDecision) {
+      ++stats_.posted_decisions;
+      continue;
     }
+    ++stats_.posted_feeds;
+    if (drive_ != Drive::kCoExec || !p.tensor.defined()) continue;
+    if (kept_feeds_.empty() || kept_feeds_.back().first != started_) kept_feeds_.emplace_back(started_, std::vector<at::Tensor>());
+    kept_feeds_.back().second.push_back(p.tensor);
   }
   try {
     channel_->post_batch(pending_);

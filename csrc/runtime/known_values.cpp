@@ -1,10 +1,8 @@
 #include "runtime/known_values.h"
 
-#include <ATen/EmptyTensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
-#include <cstring>
-
+#include "capture/dense_copy.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
@@ -32,15 +30,7 @@ void KnownValues::learn(const at::Tensor& t) {
 }
 
 at::Tensor KnownValues::copy_of(const at::Tensor& t) {
-  // Known values and recipe inputs are a few elements of CPU memory: a dense one is copied
-  // without the dispatcher (clone() through it cost more than the op whose argument it copied).
-  if (t.is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg() &&
-      t.data_ptr() != nullptr) {
-    at::Tensor copy = at::detail::empty_cpu(t.sizes(), t.scalar_type(), std::nullopt, std::nullopt, std::nullopt,
-                                            std::nullopt);
-    std::memcpy(copy.data_ptr(), t.data_ptr(), t.nbytes());
-    return copy;
-  }
+  if (std::optional<at::Tensor> copy = capture::copy_dense_cpu(t)) return *std::move(copy);
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   return t.clone();

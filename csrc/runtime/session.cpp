@@ -124,6 +124,11 @@ std::shared_ptr<capture::Region> Session::open_region(PyFrameObject* stop_frame,
 }
 
 bool Session::close_region(capture::Region& region, bool partial) {
+  // The iteration is logged on every path (Python counts it whether or not ending it raised).
+  struct LogSpan {
+    Session& s;
+    ~LogSpan() { s.log_span(); }
+  } log{*this};
   bool diverged = true;
   try {
     diverged = runner().end_iteration(partial);
@@ -132,7 +137,11 @@ bool Session::close_region(capture::Region& region, bool partial) {
     throw;
   }
   region.close();
-  // The iteration's span: counters are cumulative, so its own are the differences.
+  return diverged;
+}
+
+void Session::log_span() {
+  // Counters are cumulative, so the iteration's own are the differences.
   const IterationSpan now = counters_now();
   IterationSpan span = open_span_;
   span.end_ns = now.start_ns;
@@ -144,7 +153,6 @@ bool Session::close_region(capture::Region& region, bool partial) {
   python_exec_ns_ += std::max<int64_t>(0, span.end_ns - span.start_ns - span.stall_ns);
   if (spans_.size() >= kMaxIterationSpans) spans_.pop_front();
   spans_.push_back(span);
-  return diverged;
 }
 
 }  // namespace terra::runtime

@@ -98,6 +98,7 @@ class Session {
   int64_t python_exec_ns_ = 0, python_stall_ns_ = 0;
   // The runner's cumulative counters, in IterationSpan's fields (start_ns: now).
   IterationSpan counters_now();
+  void log_span();  // the open iteration ends now: its span joins the log and the sums
 };
 
 }  // namespace terra::runtime
