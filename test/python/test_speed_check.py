@@ -165,7 +165,11 @@ def test_a_read_heavy_loop_is_measured_and_the_decision_is_reported(caplog):
         xs = [torch.randn(4, 8, generator=g) for _ in range(3)]
         log = []
         with caplog.at_level(logging.INFO, logger="terra_torch"):
-            for i in range(80):
+            # 130 iterations: room for two checks whatever the first decides. A verdict that
+            # agrees with the previous one doubles the interval (10 -> 20), and each check spends
+            # 4 blocks of 3 plus 3 settles of 2 iterations; the retraces of the first 21
+            # iterations (the inner loop's new exits) delay the first check to iteration 27.
+            for i in range(130):
                 h = m(xs[i % 3])
                 loss = h.square().mean()
                 for _ in range(3):  # a data-dependent inner loop: reads every round
