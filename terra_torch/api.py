@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from types import FrameType
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -47,6 +48,7 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
     program = Program(type(model).__name__, mode, optimize, speed_check)
+    own_forward = model.__dict__.get("forward")  # an instance attribute the user had set, if any
     lowering = None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         # DDP's reducer is replaced by traceable ops (terra_torch/_data_parallel.py).
@@ -76,8 +78,16 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
             program.evaluation = evaluation[0]
         return evaluation[0]
 
-    def begin(module: torch.nn.Module, args: Any) -> None:
-        if program.phase != "eager" and (outer := _calling_data_parallel(module)) is not None:
+    inner_forward = model.forward  # the module's own (or the DDP lowering's, set above)
+
+    # The iteration boundary is a forward wrapper, not a forward pre-hook: a module with a hook
+    # takes torch's slow call path (Module._call_impl walks its hook dicts, ~3 us), while one
+    # without calls forward at once. User pre-hooks run before the wrapper, so their ops belong
+    # to the iteration the call ends; they do so in every iteration, which is what matters.
+    @functools.wraps(inner_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)  # Module._call_impl, or whoever called forward directly
+        if program.phase != "eager" and (outer := _calling_data_parallel(model, caller)) is not None:
             # DDP(terra_torch.wrap(model)): the reducer's hooks launch collectives on gradient
             # buckets inside backward, which interception cannot run (c10d ops have no kernel
             # for its key): the same eager fallback as terra_torch.wrap(DDP(model)).
@@ -87,10 +97,9 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
             warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
             program.synchronize()
             program.run_eagerly(reason)
-        if module.training and torch.is_grad_enabled():
-            program.begin(runtime._stop_frame())
-        else:
-            evaluation_program().begin(runtime._stop_frame())
+        target = program if model.training and torch.is_grad_enabled() else evaluation_program()
+        target.begin(runtime._stop_frame(caller))
+        return inner_forward(*args, **kwargs)
 
     def sync_all(*args: Any, **kwargs: Any) -> None:
         program.synchronize()
@@ -99,8 +108,9 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
 
     model._terra_program = program  # type: ignore[attr-defined]
     model._terra_lowering = lowering  # type: ignore[attr-defined]
+    model._terra_forward = own_forward  # type: ignore[attr-defined]
+    model.forward = forward  # type: ignore[method-assign]
     model._terra_handles = [  # type: ignore[attr-defined]
-        model.register_forward_pre_hook(begin),
         model.register_state_dict_pre_hook(sync_all),
         model._register_load_state_dict_pre_hook(sync_all),
     ]
@@ -108,6 +118,7 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False
 
 
 _DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
+_DISTRIBUTED = torch.distributed.is_available()  # (fixed for the process: asked once)
 
 
 def _is_data_parallel(obj: Any) -> bool:
@@ -115,14 +126,15 @@ def _is_data_parallel(obj: Any) -> bool:
     return name in _DATA_PARALLEL or name.startswith("FSDP")
 
 
-def _calling_data_parallel(module: torch.nn.Module) -> str | None:
+def _calling_data_parallel(module: torch.nn.Module, caller: FrameType) -> str | None:
     """The data-parallel wrapper whose forward is calling the wrapped model, if any: among the
-    torch frames right above the pre-hook (DDP.forward -> _run_ddp_forward -> Module.__call__).
-    Looked for only once torch.distributed is initialized, and only up to the first frame
-    outside torch (the user's), so a program without one pays for two or three frames."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    torch frames from `caller` (the frame that called the forward wrapper) up (DDP.forward ->
+    _run_ddp_forward -> Module.__call__). Looked for only once torch.distributed is initialized,
+    and only up to the first frame outside torch (the user's), so a program without one pays
+    for two or three frames."""
+    if not (_DISTRIBUTED and torch.distributed.is_initialized()):
         return None
-    f = sys._getframe(2)
+    f: FrameType | None = caller
     for _ in range(8):
         if f is None or not f.f_code.co_filename.startswith(runtime._TORCH_DIR):
             break
@@ -150,10 +162,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     for h in model._terra_handles:  # type: ignore[attr-defined]
         h.remove()
     del model._terra_handles  # type: ignore[attr-defined]
+    # The forward the module had before wrap: its class's, or an instance attribute the user set
+    # (DDP's own forward, and its reducer, again when it was lowered).
+    own_forward = model.__dict__.pop("_terra_forward", None)
+    if own_forward is not None:
+        model.forward = own_forward  # type: ignore[method-assign]
+    else:
+        model.__dict__.pop("forward", None)
     lowering = getattr(model, "_terra_lowering", None)
-    if lowering is not None:  # DDP's own forward (and reducer) again
+    if lowering is not None:
         lowering.close()
-        del model.forward
         model._terra_lowering = None  # type: ignore[attr-defined]
     model._terra_program = None  # type: ignore[attr-defined]
     return model

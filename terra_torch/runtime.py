@@ -83,15 +83,27 @@ _programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
 _lock = threading.RLock()
 
 
-def _stop_frame() -> FrameType | None:
-    """The frame above the user's frame that called the model or function: locations start at
-    the user's frame (its statements tell call sites apart), whose own loops, the training loop
-    among them, are ignored (Program.begin)."""
-    f = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or
-                             f.f_code.co_filename.startswith(_OWN_DIR)):
+# Whether a file is torch's or terra_torch's, by its name (code objects of one file share the
+# name string, whose hash is cached: one dict probe per frame instead of two prefix tests).
+_internal_files: dict[str, bool] = {}
+
+
+def _stop_frame(start: FrameType | None = None) -> FrameType | None:
+    """The frame above the user's frame that called the model or function (walking up from
+    `start`, by default the caller's frame): locations start at the user's frame (its statements
+    tell call sites apart), whose own loops, the training loop among them, are ignored
+    (Program.begin)."""
+    f = start if start is not None else sys._getframe(1)
+    internal = _internal_files
+    while f is not None:
+        name = f.f_code.co_filename
+        inside = internal.get(name)
+        if inside is None:
+            inside = internal[name] = name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)
+        if not inside:
+            return f.f_back
         f = f.f_back
-    return f.f_back if f is not None else None
+    return None
 
 
 class Program:

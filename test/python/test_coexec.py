@@ -896,3 +896,69 @@ def test_eager_writes_after_synchronize_are_what_the_next_iteration_reads():
 
     terra = check(make, step, max_fallbacks=2, steps=60)
     assert terra.stats.iterations["coexec"] >= 40, terra.stats.iterations
+
+
+def test_the_boundary_wraps_forward_and_unwrap_gives_back_the_modules_own():
+    """The iteration boundary is a wrapper around forward (api.wrap): user hooks still run once
+    per call and may change the inputs, forward keeps its signature, and unwrap restores exactly
+    what the module had, the class's forward or an instance attribute the user had set."""
+    import inspect
+    import types
+
+    def scaled_forward(self, x, scale: float = 1.0):
+        return self.fc2(torch.relu(self.fc1(x * scale)))
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+        m = nn.Sequential()
+        m.fc1, m.fc2 = nn.Linear(6, 12), nn.Linear(12, 2)
+        m.forward = types.MethodType(scaled_forward, m)  # the user's own instance forward
+        calls = {"pre": 0, "post": 0}
+
+        def pre(module, args):
+            calls["pre"] += 1
+            return (args[0] + 0.25,)  # a pre-hook that changes the input
+
+        def post(module, args, out):
+            calls["post"] += 1
+
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05), {"calls": calls, "forward": m.forward}
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(4, 6, generator=g) for _ in range(4)]
+
+    def step(model, opt, i, log, state):
+        loss = model(xs[i % 4], scale=0.5 + 0.5 * (i % 2 == 0)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.detach())
+
+    runs = []
+    for terra in (False, True):
+        torch.manual_seed(0)
+        model, opt, state = make()
+        own = state["forward"]
+        if terra:
+            model = terra_torch.wrap(model)
+            assert inspect.signature(model.forward) == inspect.signature(own)
+        log: list = []
+        for i in range(STEPS):
+            step(model, opt, i, log, state)
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(model)
+            terra_torch.unwrap(model)
+            assert st.iterations["coexec"] >= STEPS - 5, st.iterations
+            assert model.__dict__["forward"] is own  # the user's attribute, not a terra wrapper
+        assert state["calls"] == {"pre": STEPS, "post": STEPS}
+        runs.append((log, [p.detach().clone() for p in model.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+    plain = nn.Linear(3, 3)
+    terra_torch.wrap(plain)
+    assert "forward" in plain.__dict__
+    terra_torch.unwrap(plain)
+    assert "forward" not in plain.__dict__ and plain.forward.__func__ is nn.Linear.forward
