@@ -146,6 +146,13 @@ class Program:
         self._last_begin_ns = 0
         _programs.add(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.deepcopy(wrapped_model) (an EMA copy, say) and pickling come here: a program owns a
+        # worker thread and the graph's values, which a copy cannot share or duplicate.
+        raise TypeError(f"terra_torch: {self.name} is wrapped by terra_torch, and a wrapped module cannot be "
+                        "copied or pickled; copy or save it before terra_torch.wrap, or terra_torch.unwrap it "
+                        "first (its state_dict() can be saved while wrapped)")
+
     # ---- iteration boundaries -----------------------------------------------------------------
 
     def begin(self, stop_frame: FrameType | None) -> None:

@@ -960,5 +960,11 @@ def test_the_boundary_wraps_forward_and_unwrap_gives_back_the_modules_own():
     plain = nn.Linear(3, 3)
     terra_torch.wrap(plain)
     assert "forward" in plain.__dict__
+    import copy
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        copy.deepcopy(plain)  # (an EMA copy would share the program and the graph's values)
     terra_torch.unwrap(plain)
     assert "forward" not in plain.__dict__ and plain.forward.__func__ is nn.Linear.forward
+    twin = copy.deepcopy(plain)  # unwrapped, it is a plain module again
+    x = torch.randn(2, 3)
+    assert torch.equal(twin(x), plain(x))
