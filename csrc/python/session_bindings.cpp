@@ -39,6 +39,7 @@ py::dict session_stats(Session& s) {
   d["materialized"] = p.materialized;
   d["known_reads"] = p.known_reads;
   d["early_reads"] = p.early_reads;
+  d["early_batches"] = p.early_batches;
   d["graph_iterations_run"] = g.iterations_run;
   d["graph_iterations_failed"] = g.iterations_failed;
   d["graph_exec_ns"] = g.exec_ns;

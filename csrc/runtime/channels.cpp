@@ -54,6 +54,17 @@ void ConcurrentChannel::throw_cancelled(const char* side) const {
 
 // ---- graph side -------------------------------------------------------------------------------
 
+namespace {
+
+// graph_wants() for the span of one wait, cleared on every way out of it (a cancel throws).
+struct Wanting {
+  std::atomic<int64_t>& wanted;
+  Wanting(std::atomic<int64_t>& w, int64_t code) : wanted(w) { wanted.store(code, std::memory_order_release); }
+  ~Wanting() { wanted.store(-1, std::memory_order_release); }
+};
+
+}  // namespace
+
 int64_t ConcurrentChannel::take_decision(int64_t site) {
   flush_published(false);
   StreamMark mark;  // a gate's; released after the lock, like tensors
@@ -67,7 +78,10 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
                                             : GraphWait{GraphWait::Kind::kDecision, site};
     flush_published(true);  // Python may wait for those values before it posts
     if (values_) values_->notify();
-    wait_for_post(lock, [&] { return !q.empty(); });
+    {
+      Wanting wanting(wanted_, wait_code(false, site));
+      wait_for_post(lock, [&] { return !q.empty(); });
+    }
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
@@ -103,7 +117,10 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
     graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
     flush_published(true);  // Python may wait for those values before it posts
     if (values_) values_->notify();
-    wait_for_post(lock, [&] { return !q.empty(); });
+    {
+      Wanting wanting(wanted_, wait_code(true, slot));
+      wait_for_post(lock, [&] { return !q.empty(); });
+    }
     graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");

@@ -128,6 +128,12 @@ class ConcurrentChannel final : public emit::ChannelSource {
   // iteration consumed exactly what was posted and Python read every fetch).
   std::string leftovers() const;
   std::optional<GraphWait> graph_waiting_for() const;
+  // What the graph thread waits for while its queue is empty, as wait_code(), else -1; read
+  // without the lock. A poster that holds that post in an unsent batch sends the batch at once:
+  // until it does, the graph is idle, and a read later in the iteration would wait for all the
+  // graph work the batch held back (PythonRunner::post).
+  static int64_t wait_code(bool feed, int64_t key) { return key * 2 + (feed ? 1 : 0); }
+  int64_t graph_wants() const { return wanted_.load(std::memory_order_acquire); }
   // The graph is blocked on a decision, feed or gate that nobody has posted yet. When the only
   // poster (the Python thread) asks this, "true" means the graph will not move until it posts.
   bool graph_stuck() const;
@@ -166,6 +172,7 @@ class ConcurrentChannel final : public emit::ChannelSource {
   std::atomic<uint64_t> post_seq_{0};
   std::string reason_;
   std::optional<GraphWait> graph_waiting_;
+  std::atomic<int64_t> wanted_{-1};  // graph_wants(): set and cleared by the graph thread (Wanting)
   ChannelStats stats_;
 };
 

@@ -59,9 +59,33 @@ void check_signals() {
 
 // ---- posting -----------------------------------------------------------------------------------
 
+namespace {
+
+// Whether the graph thread, idle until it gets a post, waits for one of `pending` (the newest
+// first: usually it waits for the post just made).
+bool graph_waits_for(const std::vector<ConcurrentChannel::Post>& pending, int64_t wanted) {
+  if (wanted < 0) return false;
+  for (auto p = pending.rbegin(); p != pending.rend(); ++p)
+    if (ConcurrentChannel::wait_code(p->kind != ConcurrentChannel::Post::Kind::kDecision, p->key) == wanted)
+      return true;
+  return false;
+}
+
+}  // namespace
+
 void PythonRunner::post(Post p) {
   pending_.push_back(std::move(p));
-  if (drive_ == Drive::kCoExec && pending_.size() >= kPostBatch) flush();
+  // Batched, so that a graph busy with earlier work is woken once per batch; sent at once when
+  // the graph sits idle waiting for one of the batch's posts. Held back, it kept the graph idle
+  // until the batch filled or Python read, and a read then waited for all the graph work the
+  // batch had held back (a read in the middle of each forward: most of an iteration's work).
+  if (drive_ != Drive::kCoExec) return;
+  if (pending_.size() >= kPostBatch) {
+    flush();
+  } else if (graph_waits_for(pending_, channel_->graph_wants())) {
+    ++stats_.early_batches;
+    flush();
+  }
 }
 
 void PythonRunner::flush() {

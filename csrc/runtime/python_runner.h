@@ -45,10 +45,12 @@ struct PythonRunnerStats {
   int64_t early_reads = 0;     // reads that waited only for the values they read (read_horizon)
   int64_t posted_decisions = 0;  // decisions (with gates and scalars) and feeds sent to the graph
   int64_t posted_feeds = 0;
+  int64_t early_batches = 0;   // batches sent before they filled: the graph waited for one of their posts
 };
 
 // Co-execution sends posts in batches of this many (and whenever Python waits or an iteration
-// ends): the graph trails Python by at most a batch, and is woken once per batch, not per op.
+// ends, or the graph sits idle waiting for a post the batch holds): the graph trails Python by at
+// most a batch, and a busy graph is woken once per batch, not per op.
 inline constexpr size_t kPostBatch = 32;
 
 // Co-execution lets Python start an iteration while at most this many earlier ones are still

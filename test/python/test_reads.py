@@ -204,3 +204,25 @@ def test_a_checked_embedding_waits_for_its_indices_only():
 
     runner = check(step, make_bag)
     assert runner["early_reads"] >= STEPS - 2 * WARMUP, runner
+
+
+def test_a_batch_the_idle_graph_waits_for_is_sent_at_once():
+    """A read in the middle of the forward, then an op on a new tensor: the graph, caught up at
+    the read, waits for that tensor's feed while Python still holds it in its unsent batch of
+    posts. The batch goes at once (counted in `early_batches`) instead of when it fills or at the
+    next read, which would wait for all the graph work the batch held back."""
+    extra = torch.randn(6, 16, 4, generator=torch.Generator().manual_seed(8))
+
+    def step(model, opt, state, i):
+        h = model(DATA[i % 6])
+        state["log"].append(h.abs().sum().item())  # the graph catches up here
+        out = h * extra[i % 6]  # a fed tensor right after the read
+        loss = F.cross_entropy(out, LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"].append(loss.detach())
+
+    runner = check(step)
+    assert runner["early_batches"] >= 1, runner
+    assert runner["python_reads"] + runner["early_reads"] + runner["known_reads"] >= STEPS - 2 * WARMUP, runner
