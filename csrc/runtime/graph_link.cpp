@@ -75,14 +75,15 @@ bool graph_waits_for(const std::vector<ConcurrentChannel::Post>& pending, int64_
 
 void PythonRunner::post(Post p) {
   pending_.push_back(std::move(p));
-  // Batched, so that a graph busy with earlier work is woken once per batch; sent at once when
-  // the graph sits idle waiting for one of the batch's posts. Held back, it kept the graph idle
-  // until the batch filled or Python read, and a read then waited for all the graph work the
-  // batch had held back (a read in the middle of each forward: most of an iteration's work).
+  // Batched, so that a graph busy with earlier work is woken once per batch. In a program that
+  // waits for the graph (send_early_), a batch goes at once when the graph sits idle waiting for
+  // one of its posts: held back, it kept the graph idle until the batch filled or Python read,
+  // and the read then waited for all the graph work the batch had held back (a read in the
+  // middle of each forward: most of an iteration's work).
   if (drive_ != Drive::kCoExec) return;
   if (pending_.size() >= kPostBatch) {
     flush();
-  } else if (graph_waits_for(pending_, channel_->graph_wants())) {
+  } else if (send_early_ && graph_waits_for(pending_, channel_->graph_wants())) {
     ++stats_.early_batches;
     flush();
   }

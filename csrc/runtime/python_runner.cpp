@@ -87,6 +87,8 @@ void PythonRunner::begin_iteration() {
     // not computed is lost. Start clean so that the program can go on after the error.
     recover_from_failure(describe_failure(e.what()));
   }
+  send_early_ = stats_.stall_ns != stall_at_begin_;
+  stall_at_begin_ = stats_.stall_ns;
   cursor_.reset();
   path_ = 0;
   recording_.reset();
