@@ -15,8 +15,9 @@ namespace terra::capture {
 // The copy (contiguous, no autograd, not a wrapped number), or nothing when `t` is not dense CPU
 // memory that memcpy can copy: the caller clones it then.
 inline std::optional<at::Tensor> copy_dense_cpu(const at::Tensor& t) {
-  if (!t.is_cpu() || t.layout() != c10::kStrided || !t.has_storage() || !t.is_contiguous() || t.is_conj() ||
-      t.is_neg() || t.data_ptr() == nullptr)
+  // (A quantized tensor's bytes mean nothing without its quantizer, which empty_cpu does not set.)
+  if (!t.is_cpu() || t.layout() != c10::kStrided || t.is_quantized() || !t.has_storage() || !t.is_contiguous() ||
+      t.is_conj() || t.is_neg() || t.data_ptr() == nullptr)
     return std::nullopt;
   at::Tensor copy =
       at::detail::empty_cpu(t.sizes(), t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);

@@ -8,6 +8,8 @@
 // because the graph thread may need it to free a tensor whose Python object C++ kept alive.
 #include "runtime/python_runner.h"
 
+#include <cstdlib>
+
 #include <Python.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -66,6 +68,20 @@ PythonRunner::~PythonRunner() {
   runner_->shutdown();
 }
 
+namespace {
+
+// TERRA_EARLY_BATCHES=0 keeps every batch whole (PythonRunner::send_early_), so that
+// benchmarks.step_ab can time both policies in one build, in interleaved processes.
+bool early_batches_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("TERRA_EARLY_BATCHES");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
+
+}  // namespace
+
 // ---- iterations --------------------------------------------------------------------------------
 
 void PythonRunner::begin_iteration() {
@@ -87,7 +103,7 @@ void PythonRunner::begin_iteration() {
     // not computed is lost. Start clean so that the program can go on after the error.
     recover_from_failure(describe_failure(e.what()));
   }
-  send_early_ = stats_.stall_ns != stall_at_begin_;
+  send_early_ = early_batches_enabled() && stats_.stall_ns != stall_at_begin_;
   stall_at_begin_ = stats_.stall_ns;
   cursor_.reset();
   path_ = 0;

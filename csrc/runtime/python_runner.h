@@ -256,7 +256,8 @@ class PythonRunner final : public capture::CoExecHook {
   // Whether Python waited for the graph in the previous iteration (a read, the bound on
   // iterations in flight): then a batch of posts the idle graph waits for is sent at once
   // (post()). A program that never waits keeps its batches whole: sent early, they only made the
-  // two threads hand the channel back and forth per post (an MLP step without reads: ~9% slower).
+  // two threads hand the channel back and forth per post (quick-suite `mutation`, no reads:
+  // 0.595 -> 0.649 ms per step, medians of 6 interleaved process pairs).
   bool send_early_ = false;
   int64_t stall_at_begin_ = 0;
   bool in_iteration_ = false;

@@ -1,0 +1,109 @@
+"""Step time of quick-suite programs under several variants, in interleaved processes (A/B).
+
+A change that moves one program by 10-20% is invisible in `benchmarks.run --quick` on a shared
+machine (its cells spread by more than 25% when another tenant runs). This runs each variant of
+each program in its own process, the variants one after another in every round, and reports the
+median of the rounds: a burst of load hits all variants of a round alike.
+
+A variant is a runner (`eager` or `terra`) with optional environment settings:
+
+    python -m benchmarks.step_ab --programs branches,materialize,mutation \\
+        --variants eager,terra,terra:TERRA_EARLY_BATCHES=0 --reps 5 --steps 800
+
+Terra variants run with the speed check off (TERRA_SPEED_CHECK=0): they compare co-execution
+policies, not the check's choice. A program marked TERRA_ITERATION = "step" is wrapped with
+terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
+warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
+times `--steps` steps and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from benchmarks.harness.runtime import Runtime, load_program
+name, runner, warmup, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mod = load_program(name)
+per_step = getattr(mod, "TERRA_ITERATION", "model") == "step"
+if runner == "terra":
+    import terra_torch
+def wrap(model, example_inputs):
+    if runner == "terra" and not per_step:
+        return terra_torch.wrap(model, speed_check=False)
+    return model
+state = mod.build(0, Runtime("cpu", wrap))
+step = terra_torch.function(mod.step, speed_check=False) if runner == "terra" and per_step else mod.step
+for i in range(warmup):
+    step(state, i)
+if runner == "terra":
+    terra_torch.synchronize()
+t0, c0 = time.perf_counter(), time.thread_time()
+for i in range(warmup, warmup + steps):
+    step(state, i)
+if runner == "terra":
+    terra_torch.synchronize()
+print(json.dumps({"ms": (time.perf_counter() - t0) / steps * 1e3, "cpu_ms": (time.thread_time() - c0) / steps * 1e3}))
+"""
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    runner, _, settings = text.partition(":")
+    if runner not in ("eager", "terra"):
+        raise SystemExit(f"variant {text!r}: the runner must be eager or terra")
+    env = dict(s.split("=", 1) for s in settings.split(";") if s)
+    return runner, env
+
+
+def run_child(program: str, variant: str, warmup: int, steps: int) -> dict:
+    runner, settings = parse_variant(variant)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TERRA_SPEED_CHECK="0", **settings)
+    done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"{program} / {variant} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--programs", default="branches,materialize,mutation")
+    p.add_argument("--variants", default="eager,terra,terra:TERRA_EARLY_BATCHES=0",
+                   help="comma-separated runner[:VAR=value;VAR=value]")
+    p.add_argument("--reps", type=int, default=5, help="rounds (medians)")
+    p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--steps", type=int, default=800)
+    args = p.parse_args(argv)
+    programs, variants = args.programs.split(","), args.variants.split(",")
+    print("uptime before:", os.getloadavg())
+    cells: dict[tuple[str, str], list[dict]] = {(pr, v): [] for pr in programs for v in variants}
+    for _ in range(args.reps):
+        for program in programs:
+            for variant in variants:
+                cells[(program, variant)].append(run_child(program, variant, args.warmup, args.steps))
+    print("uptime after: ", os.getloadavg())
+    print(f"{'program':12s} {'variant':34s} {'ms/step':>8s} {'x eager':>8s}  (each round)")
+    for program in programs:
+        eager = [c["ms"] for c in cells.get((program, "eager"), [])]
+        for variant in variants:
+            ms = [c["ms"] for c in cells[(program, variant)]]
+            ratio = f"{statistics.median(eager) / statistics.median(ms):7.2f}x" if eager else "       -"
+            print(f"{program:12s} {variant:34s} {statistics.median(ms):8.3f} {ratio}  "
+                  f"({', '.join('%.3f' % m for m in ms)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
