@@ -246,7 +246,8 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
   BackwardRecording& r = *recording_;
   if (!r.ineligible.empty()) return;
   if (runs_real) return not_replayable("an op of the backward needs data");
-  if (in_loop(node)) return not_replayable("the backward runs inside a graph loop");
+  // (Inside a graph loop too: the memo's key is the path so far, trips before included, so a
+  // replay steps the cursor through the same loop frames, copies and latest outputs.)
   ReplayStep& step = r.memo.steps.emplace_back();
   step.node = node;
   step.publishes = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
@@ -269,8 +270,8 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
           if (std::find(r.scalar_origins.begin(), r.scalar_origins.end(), origin) == r.scalar_origins.end())
             r.scalar_origins.push_back(origin);
         }
-        if (is_select_site(p.key))
-          return not_replayable("the backward reads where the graph picks the producer Python read");
+        // (A select site's value names the producer copy the recorded op read: the same
+        // records replayed read the same copy.)
         out.kind = ReplayPost::Kind::kDecision;
         break;
       case Post::Kind::kFeed:
@@ -461,7 +462,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
                          ? capture::make_placeholder(mrec.outputs[k], mrec.op)
                          : grads_before[j];
       region.set_produced(t, index, static_cast<int32_t>(k));
-      note_latest(tag, t);
+      note_latest(tag, record_copies_.at(index), t);
       if (memo.outcomes[j].kind == LeafOutcome::Kind::kNew) new_grads[j] = t;
       if (step.publishes == 0) continue;
       const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
@@ -489,7 +490,8 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
     // backward, is that output from now on, as when the engine ran: its latest one, too.)
     const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
     region.set_produced(externals.at(a.external), index, a.output);
-    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), externals.at(a.external));
+    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), record_copies_.at(index),
+                externals.at(a.external));
   }
   if (!call.keep_graph) release_saved(r);
   flush();

@@ -105,9 +105,12 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       }
       if (in_loop(producer) || in_loop(node)) {
         // Inside prim::Loop every iteration of the producer writes the same graph value: only
-        // a read of its latest execution is one the graph can serve.
+        // a read of its latest execution is one the graph can serve. (A producer in a loop the
+        // emitter flattened inside it has a value per copy: the latest of the copy read.)
         const at::Tensor t = detail::argument_tensor(args, in);
-        const Latest* latest = latest_.find(static_cast<uint64_t>(emit::EmittedGraph::publish_tag(producer, in.value.output)));
+        const uint64_t copy = record_copies_.at(in.value.record);
+        const int64_t tag = emit::EmittedGraph::publish_tag(producer, in.value.output);
+        const Latest* latest = latest_.find(copy != 0 ? latest_key(tag, copy) : static_cast<uint64_t>(tag));
         if (!t.defined() || !t.has_storage() || latest == nullptr ||
             latest->where != std::make_pair(static_cast<const void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()),
                                          t.storage_offset()))
@@ -201,10 +204,6 @@ std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, c
   return msg.str();
 }
 
-namespace {
-// latest_'s key for one copy of (node, output); publish tags stay below 2^40.
-uint64_t copy_key(int64_t tag, uint64_t copy) { return trace::hash_combine(static_cast<uint64_t>(tag), copy) | (uint64_t(1) << 63); }
-}  // namespace
 
 uint64_t PythonRunner::copy_here(trace::NodeId node) {
   if (node >= emitted_.node_copied.size() || emitted_.node_copied[node] == 0) return 0;
@@ -222,7 +221,7 @@ void PythonRunner::note_run(int32_t index, trace::NodeId node, uint64_t copy, si
   for (uint32_t k = 0; k < num_outputs; ++k) {
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
     latest_.try_emplace(static_cast<uint64_t>(tag)).first->record = index;
-    if (copy != 0) latest_.try_emplace(copy_key(tag, copy)).first->record = index;
+    if (copy != 0) latest_.try_emplace(latest_key(tag, copy)).first->record = index;
   }
 }
 
@@ -239,7 +238,7 @@ bool PythonRunner::reads_latest(const std::vector<emit::EmittedGraph::ReadProduc
   for (const auto& p : producers) {
     const int64_t tag = emit::EmittedGraph::publish_tag(p.node, p.output);
     member |= p.node == node && p.output == output && (p.any || p.copy == copy);
-    const Latest* ran = latest_.find(p.any || p.copy == 0 ? static_cast<uint64_t>(tag) : copy_key(tag, p.copy));
+    const Latest* ran = latest_.find(p.any || p.copy == 0 ? static_cast<uint64_t>(tag) : latest_key(tag, p.copy));
     if (ran != nullptr) last = std::max(last, ran->record);
   }
   return member && last == record;

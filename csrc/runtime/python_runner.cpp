@@ -248,7 +248,7 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
     // size records its own memo instead of replaying one made for other shapes.
     path_ = detail::hash_sizes(path_, t);
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
-    note_latest(tag, t);
+    note_latest(tag, record_copies_.at(index), t);
     const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
     const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
     if (!keep) continue;
@@ -260,10 +260,12 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   }
 }
 
-void PythonRunner::note_latest(int64_t tag, const at::Tensor& t) {
+void PythonRunner::note_latest(int64_t tag, uint64_t copy, const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return;
-  latest_.try_emplace(static_cast<uint64_t>(tag)).first->where = {t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
-                                           t.storage_offset()};
+  const std::pair<const void*, int64_t> where{t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                                              t.storage_offset()};
+  latest_.try_emplace(static_cast<uint64_t>(tag)).first->where = where;
+  if (copy != 0) latest_.try_emplace(latest_key(tag, copy)).first->where = where;
 }
 
 bool PythonRunner::check_first(const capture::OpRecord& rec) {

@@ -30,6 +30,7 @@
 #include "runtime/known_values.h"
 #include "runtime/value_table.h"
 #include "trace/cursor.h"
+#include "trace/hash.h"
 #include "trace/program.h"
 
 namespace terra::runtime {
@@ -190,7 +191,7 @@ class PythonRunner final : public capture::CoExecHook {
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
   // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().
-  void note_latest(int64_t tag, const at::Tensor& t);
+  void note_latest(int64_t tag, uint64_t copy, const at::Tensor& t);
   // Record `index` ran `node` in copy `copy`: its outputs are now the latest of that node and copy.
   void note_run(int32_t index, trace::NodeId node, uint64_t copy, size_t num_outputs);
   // A checked read: output `output` of record `record` is among `producers` and the latest-run of them.
@@ -242,7 +243,7 @@ class PythonRunner final : public capture::CoExecHook {
     known_.forget_recipes();
   }
   // This iteration, per (node, output) (key: its publish tag) and, in unrolled loops, per copy
-  // of it (key: copy_key, record only): the record that last ran it, for the checked reads
+  // of it (key: latest_key): the record that last ran it, for the checked reads
   // (reads_latest), and the storage (and offset) of its latest output, for the loop check in
   // validate(). Storage, not TensorImpl: autograd unpacks saved outputs into fresh TensorImpls
   // over the same storage. Open addressing, emptied (not freed) per iteration: every output of
@@ -252,6 +253,10 @@ class PythonRunner final : public capture::CoExecHook {
     int32_t record = -1;
   };
   common::FlatMap<uint64_t, Latest> latest_;
+  // latest_'s key for one copy of (node, output) (publish tags, the other keys, stay below 2^40).
+  static uint64_t latest_key(int64_t tag, uint64_t copy) {
+    return trace::hash_combine(static_cast<uint64_t>(tag), copy) | (uint64_t(1) << 63);
+  }
   int64_t started_ = 0, waited_ = 0;  // graph iterations
   // Whether Python waited for the graph in the previous iteration (a read, the bound on
   // iterations in flight): then a batch of posts the idle graph waits for is sent at once

@@ -325,3 +325,67 @@ def test_backward_with_fed_numbers_replays_per_sequence_length():
     r = check(make, step, max_fallbacks=3)
     replayed_most(r, untraced=12)
     assert r.runner["backward_recorded"] >= 3, r.runner  # one memo per length
+
+
+def test_backward_inside_a_loop_with_a_data_dependent_trip_count_replays():
+    """The step repeats forward/backward/step on a batch while its loss stays above a running
+    average (1 to 3 times, decided by the data): the loop is a graph loop (prim::Loop), and each
+    backward() in it is replayed once its path (the trips before it) has been recorded. The
+    forward's own refinement loop, whose every round backward reads, is flattened inside it: each
+    round is a copy with its own graph value, so the backward's read of an earlier round is no
+    stale read (before, that divergence recurred in every iteration and the program never left
+    tracing)."""
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 8) * (0.3 + 0.4 * k), torch.randint(0, 3, (16,))) for k in range(5)]
+
+    class Refine(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.f, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            for _ in range(4):
+                update = torch.tanh(self.f(h)) - h
+                h = h + 0.5 * update
+                if update.abs().mean() < 0.05:
+                    break
+            return self.out(h)
+
+    def train(terra: bool, steps: int = 90):
+        torch.manual_seed(1)
+        net = Refine()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.5)
+        state = {"avg": torch.tensor(1.1)}
+
+        def step(i: int) -> tuple[torch.Tensor, int]:
+            x, y = data[i % len(data)]
+            first = None
+            for inner in range(3):
+                loss = F.cross_entropy(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                first = loss.detach() if first is None else first
+                if loss < state["avg"]:
+                    break
+            state["avg"] = 0.8 * state["avg"] + 0.2 * first
+            return first, inner + 1
+
+        f = terra_torch.function(step, speed_check=False) if terra else step
+        out = [f(i) for i in range(steps)]
+        log = [(loss.item(), n) for loss, n in out]
+        runner = None
+        if terra:
+            terra_torch.synchronize()
+            runner = dict(terra_torch.stats(f).runner)
+        return log, [p.detach().clone() for p in net.parameters()], runner
+
+    e_log, e_params, _ = train(False)
+    t_log, t_params, runner = train(True)
+    assert t_log == e_log
+    assert all(torch.equal(a, b) for a, b in zip(e_params, t_params))
+    assert len({n for _, n in e_log}) >= 2, "the program must take more than one trip count"
+    assert runner["traces"] <= 8, runner
+    assert runner["backward_replayed"] >= 20, runner
+    assert "loop" not in runner["backward_reason"], runner
