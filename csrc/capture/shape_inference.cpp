@@ -12,6 +12,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "capture/meta_functions.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
 
@@ -37,7 +38,7 @@ struct CacheEntry {
 // Entries are never erased, so references handed out stay valid.
 std::mutex cache_mu;
 std::unordered_map<uint64_t, std::vector<std::unique_ptr<CacheEntry>>> cache;
-size_t cache_entries = 0;
+ShapeCacheCounts counts;  // (entries == the cache's size)
 
 void key_tensor(Key& key, const at::Tensor& t) {
   if (!t.defined()) { key.push_back(-7); return; }
@@ -170,7 +171,15 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
   for (const c10::IValue& v : args) meta_stack.push_back(ivalue_to_meta(v));
   try {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.callBoxed(meta_stack);
+    if (const c10::KernelFunction* direct = cpp_meta_function(op)) {  // (capture/meta_functions.h)
+      direct->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+      std::lock_guard<std::mutex> lock(cache_mu);
+      ++counts.cpp_meta;
+    } else {
+      op.callBoxed(meta_stack);
+      std::lock_guard<std::mutex> lock(cache_mu);
+      ++counts.dispatched;
+    }
   } catch (const c10::Error& e) {
     // No meta kernel, a data-dependent output, or arguments the meta kernel refuses (whose
     // message need not be eager's): the op needs its data, and running it for real raises
@@ -236,13 +245,15 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   }
   auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
-  ++cache_entries;
+  ++counts.entries;
   return cache[h].emplace_back(std::move(entry))->outputs;
 }
 
-size_t shape_cache_size() {
+size_t shape_cache_size() { return shape_cache_counts().entries; }
+
+ShapeCacheCounts shape_cache_counts() {
   std::lock_guard<std::mutex> lock(cache_mu);
-  return cache_entries;
+  return counts;
 }
 
 }  // namespace terra::capture

@@ -38,4 +38,14 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
 // Number of cached entries (for tests and the benchmark).
 size_t shape_cache_size();
 
+// What the cache's misses ran, since the process started: an op's C++ meta function called
+// directly (capture/meta_functions.h), or the op through the dispatcher's Meta key (a meta
+// kernel torch registered, often written in Python).
+struct ShapeCacheCounts {
+  size_t entries = 0;
+  size_t cpp_meta = 0;
+  size_t dispatched = 0;
+};
+ShapeCacheCounts shape_cache_counts();
+
 }  // namespace terra::capture

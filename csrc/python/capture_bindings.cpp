@@ -10,6 +10,7 @@
 
 #include "capture/region.h"
 #include "capture/terra_key.h"
+#include "capture/meta_functions.h"
 #include "capture/shape_inference.h"
 #include "python/bindings.h"
 
@@ -64,6 +65,15 @@ void init_capture(py::module_& m) {
     return std::string("Cannot access the data of a ") + impl->tensorimpl_type_name();
   });
   m.def("shape_cache_size", &capture::shape_cache_size);
+  m.def("shape_cache_counts", [] {
+    const capture::ShapeCacheCounts c = capture::shape_cache_counts();
+    py::dict d;
+    d["entries"] = c.entries;
+    d["cpp_meta"] = c.cpp_meta;
+    d["dispatched"] = c.dispatched;
+    d["cpp_meta_ops"] = capture::cpp_meta_function_count();
+    return d;
+  }, "What the shape cache's misses ran: C++ meta functions called directly, or the dispatcher's Meta kernel.");
   m.def("inject_failure", &capture::inject_failure, py::arg("op"),
         "The next op whose name starts with `op` that the interceptor handles raises (empty: disarm)");
 
