@@ -2,6 +2,8 @@
 
 #include <ATen/MetaFunctions.h>
 #include <ATen/Operators.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/ops/_unsafe_view_compositeexplicitautograd_dispatch.h>
 #include <ATen/ops/empty_like_compositeexplicitautograd_dispatch.h>
 
 #include <cstdlib>
@@ -34,6 +36,33 @@ at::Tensor like_meta(const at::Tensor& self, std::optional<at::ScalarType> dtype
                      std::optional<at::Device> device, std::optional<bool> pin_memory,
                      std::optional<at::MemoryFormat> memory_format) {
   return at::compositeexplicitautograd::empty_like(self, dtype, layout, device, pin_memory, memory_format);
+}
+
+// The Scalar overloads of the binary ops wrap the number as a 0-dim CPU tensor and call the
+// Tensor overload (aten/src/ATen/native/BinaryOps.cpp), which is structured.
+at::Tensor add_scalar_meta(const at::Tensor& self, const at::Scalar& other, const at::Scalar& alpha) {
+  return at::meta::add(self, at::native::wrapped_scalar_tensor(other), alpha);
+}
+at::Tensor sub_scalar_meta(const at::Tensor& self, const at::Scalar& other, const at::Scalar& alpha) {
+  return at::meta::sub(self, at::native::wrapped_scalar_tensor(other), alpha);
+}
+at::Tensor mul_scalar_meta(const at::Tensor& self, const at::Scalar& other) {
+  return at::meta::mul(self, at::native::wrapped_scalar_tensor(other));
+}
+at::Tensor div_scalar_meta(const at::Tensor& self, const at::Scalar& other) {
+  return at::meta::div(self, at::native::wrapped_scalar_tensor(other));
+}
+at::Tensor& add__scalar_meta(at::Tensor& self, const at::Scalar& other, const at::Scalar& alpha) {
+  return at::meta::add_(self, at::native::wrapped_scalar_tensor(other), alpha);
+}
+at::Tensor& sub__scalar_meta(at::Tensor& self, const at::Scalar& other, const at::Scalar& alpha) {
+  return at::meta::sub_(self, at::native::wrapped_scalar_tensor(other), alpha);
+}
+at::Tensor& mul__scalar_meta(at::Tensor& self, const at::Scalar& other) {
+  return at::meta::mul_(self, at::native::wrapped_scalar_tensor(other));
+}
+at::Tensor& div__scalar_meta(at::Tensor& self, const at::Scalar& other) {
+  return at::meta::div_(self, at::native::wrapped_scalar_tensor(other));
 }
 
 // zero_ writes its argument and returns it; zero fits every dtype, so it refuses nothing.
@@ -198,6 +227,16 @@ const Entry kTable[] = {
     TERRA_META_AS(zeros_like, like_meta),
     TERRA_META_AS(empty_like, like_meta),
     TERRA_META_AS(zero_, zero_meta),
+    TERRA_META_AS(add_Scalar, add_scalar_meta),
+    TERRA_META_AS(sub_Scalar, sub_scalar_meta),
+    TERRA_META_AS(mul_Scalar, mul_scalar_meta),
+    TERRA_META_AS(div_Scalar, div_scalar_meta),
+    TERRA_META_AS(add__Scalar, add__scalar_meta),
+    TERRA_META_AS(sub__Scalar, sub__scalar_meta),
+    TERRA_META_AS(mul__Scalar, mul__scalar_meta),
+    TERRA_META_AS(div__Scalar, div__scalar_meta),
+    // _unsafe_view is view's code without the alias annotation (aten/src/ATen/native/TensorShape.cpp)
+    TERRA_META_AS(_unsafe_view, at::compositeexplicitautograd::_unsafe_view_symint),
 #undef TERRA_META_AS
 };
 

@@ -12,9 +12,10 @@
 // output (the CPU kernel then fills it), so calling it directly gives the CPU kernel's sizes,
 // strides and dtype by construction, in microseconds. The table lists the common training ops
 // (matmuls, pointwise and their backward, softmax, losses, reductions, comparisons, the
-// optimizers' in-place ops, indexing, pooling), plus four that are not structured but whose CPU
-// kernels reduce to one that is or to a C++ factory (relu is clamp_min; ones_like, zeros_like
-// and empty_like are empty_like; zero_ returns its argument). Other ops (convolution, norms,
+// optimizers' in-place ops, indexing, pooling), plus a few that are not structured but whose CPU
+// kernels reduce to one that is or to plain C++ (relu is clamp_min; ones_like, zeros_like and
+// empty_like are empty_like; zero_ returns its argument; the binary ops' Scalar overloads wrap
+// the number and call the Tensor overload; _unsafe_view is view's code). Other ops (convolution, norms,
 // embedding, dropout) go through the dispatcher as before. test/python/test_meta_functions.py
 // compares every entry's outputs with eager's, on non-contiguous inputs too.
 //
