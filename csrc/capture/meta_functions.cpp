@@ -245,6 +245,7 @@ const Entry kTable[] = {
 std::string key_of(const std::string& name, const std::string& overload) { return name + "." + overload; }
 
 const std::unordered_map<std::string, c10::KernelFunction>& table() {
+  // Built on first use, never destroyed (shape inference may run while other statics go away).
   static const auto* built = [] {
     auto* m = new std::unordered_map<std::string, c10::KernelFunction>();
     for (const Entry& e : kTable) m->emplace(key_of(e.name, e.overload), e.make());

@@ -204,7 +204,6 @@ std::string PythonRunner::describe_scalar_change(const capture::OpRecord& rec, c
   return msg.str();
 }
 
-
 uint64_t PythonRunner::copy_here(trace::NodeId node) {
   if (node >= emitted_.node_copied.size() || emitted_.node_copied[node] == 0) return 0;
   cursor_.copy_index(copy_);
