@@ -269,6 +269,10 @@ const c10::KernelFunction* cpp_meta_function(const c10::OperatorHandle& op) {
   return it == t.end() ? nullptr : &it->second;
 }
 
-size_t cpp_meta_function_count() { return table().size(); }
+std::vector<std::string> cpp_meta_function_names() {
+  std::vector<std::string> out;
+  for (const auto& [key, kernel] : table()) out.push_back(key);
+  return out;
+}
 
 }  // namespace terra::capture

@@ -27,14 +27,15 @@
 #include <ATen/core/boxing/KernelFunction.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <cstddef>
+#include <string>
+#include <vector>
 
 namespace terra::capture {
 
 // `op`'s C++ meta function, boxed; nullptr when the table has none for it.
 const c10::KernelFunction* cpp_meta_function(const c10::OperatorHandle& op);
 
-// Number of ops in the table (for tests).
-size_t cpp_meta_function_count();
+// The table's ops, as "aten::add.Tensor" ("aten::addmm." for a default overload), for tests.
+std::vector<std::string> cpp_meta_function_names();
 
 }  // namespace terra::capture

@@ -71,9 +71,10 @@ void init_capture(py::module_& m) {
     d["entries"] = c.entries;
     d["cpp_meta"] = c.cpp_meta;
     d["dispatched"] = c.dispatched;
-    d["cpp_meta_ops"] = capture::cpp_meta_function_count();
+    d["cpp_meta_ops"] = capture::cpp_meta_function_names();
     return d;
-  }, "What the shape cache's misses ran: C++ meta functions called directly, or the dispatcher's Meta kernel.");
+  }, "What the shape cache's misses ran (C++ meta functions called directly, or the dispatcher's Meta "
+        "kernel), and the ops that have a C++ meta function here.");
   m.def("inject_failure", &capture::inject_failure, py::arg("op"),
         "The next op whose name starts with `op` that the interceptor handles raises (empty: disarm)");
 

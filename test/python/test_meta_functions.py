@@ -135,7 +135,14 @@ def test_placeholder_metadata_from_cpp_meta_functions_is_eagers(case: str):
 
 
 def test_the_table_names_real_ops():
-    """An entry whose name matched no op would never be used: the table has as many entries as
-    ops it found, and the common training ops are among them."""
-    counts = _C.shape_cache_counts()
-    assert counts["cpp_meta_ops"] >= 130
+    """Every entry names an op torch has, in the form the lookup builds from an OperatorHandle
+    (an entry that matched no op would silently never be used), and the common training ops are
+    among them."""
+    names = _C.shape_cache_counts()["cpp_meta_ops"]
+    assert len(names) >= 140
+    for full in names:
+        name, _, overload = full.rpartition(".")
+        torch._C._get_schema(name, overload)  # raises for an unknown op or overload
+    for common in ("aten::addmm.", "aten::mul.Tensor", "aten::relu.", "aten::_log_softmax.",
+                   "aten::nll_loss_forward.", "aten::threshold_backward.", "aten::add_.Tensor", "aten::addcdiv_."):
+        assert common in names
