@@ -6,10 +6,10 @@
 #include <ATen/ops/_unsafe_view_compositeexplicitautograd_dispatch.h>
 #include <ATen/ops/empty_like_compositeexplicitautograd_dispatch.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <unordered_map>
+
+#include "common/env.h"
 
 namespace terra::capture {
 
@@ -258,10 +258,7 @@ const std::unordered_map<std::string, c10::KernelFunction>& table() {
 
 const c10::KernelFunction* cpp_meta_function(const c10::OperatorHandle& op) {
   // TERRA_CPP_META=0: every op through the dispatcher, as before the table (for A/B benchmarks).
-  static const bool enabled = [] {
-    const char* v = std::getenv("TERRA_CPP_META");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool enabled = !common::switched_off("TERRA_CPP_META");
   if (!enabled) return nullptr;
   const c10::OperatorName& name = op.operator_name();
   const auto& t = table();

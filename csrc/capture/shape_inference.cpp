@@ -7,6 +7,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -38,7 +39,9 @@ struct CacheEntry {
 // Entries are never erased, so references handed out stay valid.
 std::mutex cache_mu;
 std::unordered_map<uint64_t, std::vector<std::unique_ptr<CacheEntry>>> cache;
-ShapeCacheCounts counts;  // (entries == the cache's size)
+size_t cache_entries = 0;  // under cache_mu
+// What misses ran (shape_cache_counts); counted outside the lock, as the meta call runs there.
+std::atomic<size_t> cpp_meta_calls{0}, dispatched_calls{0};
 
 void key_tensor(Key& key, const at::Tensor& t) {
   if (!t.defined()) { key.push_back(-7); return; }
@@ -173,12 +176,10 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (const c10::KernelFunction* direct = cpp_meta_function(op)) {  // (capture/meta_functions.h)
       direct->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
-      std::lock_guard<std::mutex> lock(cache_mu);
-      ++counts.cpp_meta;
+      cpp_meta_calls.fetch_add(1, std::memory_order_relaxed);
     } else {
       op.callBoxed(meta_stack);
-      std::lock_guard<std::mutex> lock(cache_mu);
-      ++counts.dispatched;
+      dispatched_calls.fetch_add(1, std::memory_order_relaxed);
     }
   } catch (const c10::Error& e) {
     // No meta kernel, a data-dependent output, or arguments the meta kernel refuses (whose
@@ -245,15 +246,19 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   }
   auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
-  ++counts.entries;
+  ++cache_entries;
   return cache[h].emplace_back(std::move(entry))->outputs;
 }
 
 size_t shape_cache_size() { return shape_cache_counts().entries; }
 
 ShapeCacheCounts shape_cache_counts() {
+  ShapeCacheCounts c;
+  c.cpp_meta = cpp_meta_calls.load(std::memory_order_relaxed);
+  c.dispatched = dispatched_calls.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(cache_mu);
-  return counts;
+  c.entries = cache_entries;
+  return c;
 }
 
 }  // namespace terra::capture

@@ -169,7 +169,7 @@ struct BackwardRecording {
 // Memos kept per generated graph: a program has one backward per path through its forward (and
 // per gradient state: None after zero_grad(set_to_none=True), or accumulated). A backward inside a
 // graph loop has one per path up to it, the trips before included (quick-suite trip_count: 13).
-// The lookup compares the path hash first, so a miss costs a few ns per memo.
+// The lookup compares each memo's path hash before anything else.
 inline constexpr size_t kMaxBackwardMemos = 64;
 
 }  // namespace terra::runtime

@@ -56,11 +56,20 @@ void ConcurrentChannel::throw_cancelled(const char* side) const {
 
 namespace {
 
-// graph_wants() for the span of one wait, cleared on every way out of it (a cancel throws).
-struct Wanting {
+// What the graph thread waits for, for the span of one wait: graph_waiting_ (under the lock) and
+// its lock-free code for posters (graph_wants()), both cleared on every way out (a cancel throws).
+struct Waiting {
+  std::optional<GraphWait>& waiting;
   std::atomic<int64_t>& wanted;
-  Wanting(std::atomic<int64_t>& w, int64_t code) : wanted(w) { wanted.store(code, std::memory_order_release); }
-  ~Wanting() { wanted.store(-1, std::memory_order_release); }
+  Waiting(std::optional<GraphWait>& slot, std::atomic<int64_t>& code, GraphWait what, int64_t wait_code)
+      : waiting(slot), wanted(code) {
+    waiting = what;
+    wanted.store(wait_code, std::memory_order_release);
+  }
+  ~Waiting() {
+    wanted.store(-1, std::memory_order_release);
+    waiting.reset();
+  }
 };
 
 }  // namespace
@@ -73,16 +82,16 @@ int64_t ConcurrentChannel::take_decision(int64_t site) {
   auto& q = decisions_[site];
   if (q.empty()) {
     const auto t0 = Clock::now();
-    graph_waiting_ = site >= kScalarKeyBase ? GraphWait{GraphWait::Kind::kScalar, site - kScalarKeyBase}
-                     : site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
-                                            : GraphWait{GraphWait::Kind::kDecision, site};
-    flush_published(true);  // Python may wait for those values before it posts
-    if (values_) values_->notify();
     {
-      Wanting wanting(wanted_, wait_code(false, site));
+      Waiting waiting(graph_waiting_, wanted_,
+                      site >= kScalarKeyBase ? GraphWait{GraphWait::Kind::kScalar, site - kScalarKeyBase}
+                      : site >= kGateKeyBase ? GraphWait{GraphWait::Kind::kGate, site - kGateKeyBase}
+                                             : GraphWait{GraphWait::Kind::kDecision, site},
+                      wait_code(false, site));
+      flush_published(true);  // Python may wait for those values before it posts
+      if (values_) values_->notify();
       wait_for_post(lock, [&] { return !q.empty(); });
     }
-    graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
   }
@@ -114,14 +123,12 @@ at::Tensor ConcurrentChannel::feed(int64_t slot) {
   auto& q = feeds_[slot];
   if (q.empty()) {
     const auto t0 = Clock::now();
-    graph_waiting_ = GraphWait{GraphWait::Kind::kFeed, slot};
-    flush_published(true);  // Python may wait for those values before it posts
-    if (values_) values_->notify();
     {
-      Wanting wanting(wanted_, wait_code(true, slot));
+      Waiting waiting(graph_waiting_, wanted_, GraphWait{GraphWait::Kind::kFeed, slot}, wait_code(true, slot));
+      flush_published(true);  // Python may wait for those values before it posts
+      if (values_) values_->notify();
       wait_for_post(lock, [&] { return !q.empty(); });
     }
-    graph_waiting_.reset();
     stats_.graph_stall_ns += ns_since(t0);
     if (cancelled_) throw_cancelled("graph");
   }

@@ -172,7 +172,7 @@ class ConcurrentChannel final : public emit::ChannelSource {
   std::atomic<uint64_t> post_seq_{0};
   std::string reason_;
   std::optional<GraphWait> graph_waiting_;
-  std::atomic<int64_t> wanted_{-1};  // graph_wants(): set and cleared by the graph thread (Wanting)
+  std::atomic<int64_t> wanted_{-1};  // graph_wants(): set and cleared with graph_waiting_ (Waiting)
   ChannelStats stats_;
 };
 

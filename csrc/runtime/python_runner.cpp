@@ -8,8 +8,6 @@
 // because the graph thread may need it to free a tensor whose Python object C++ kept alive.
 #include "runtime/python_runner.h"
 
-#include <cstdlib>
-
 #include <Python.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,6 +22,7 @@
 
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
+#include "common/env.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
 #include "capture/value_checks.h"
@@ -73,10 +72,7 @@ namespace {
 // TERRA_EARLY_BATCHES=0 keeps every batch whole (PythonRunner::send_early_), so that
 // benchmarks.step_ab can time both policies in one build, in interleaved processes.
 bool early_batches_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("TERRA_EARLY_BATCHES");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool enabled = !common::switched_off("TERRA_EARLY_BATCHES");
   return enabled;
 }
 

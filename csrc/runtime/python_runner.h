@@ -18,6 +18,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "common/env.h"
 #include "common/flat_map.h"
 #include <vector>
 
@@ -281,10 +282,7 @@ class PythonRunner final : public capture::CoExecHook {
   KnownValues known_;
   c10::SmallVector<at::Tensor, 4> known_written_;  // between known_arguments and follow_known
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
-  const bool known_values_enabled_ = [] {
-    const char* v = std::getenv("TERRA_KNOWN_VALUES");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  const bool known_values_enabled_ = !common::switched_off("TERRA_KNOWN_VALUES");
 };
 
 }  // namespace terra::runtime

@@ -9,6 +9,7 @@
 // GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
 #include "runtime/value_table.h"
 
+#include "common/env.h"
 #include "common/spin.h"
 
 #include <algorithm>
@@ -107,10 +108,7 @@ int64_t ValueTable::expect(int64_t tag, const at::Tensor& holder) {
 
 size_t ValueTable::claim_batch() {
   // TERRA_STAGED_CLAIMS=0 applies every claim at once, under the lock (to compare).
-  static const size_t batch = [] {
-    const char* v = std::getenv("TERRA_STAGED_CLAIMS");
-    return v != nullptr && std::string(v) == "0" ? size_t{1} : kStagedClaims;
-  }();
+  static const size_t batch = common::switched_off("TERRA_STAGED_CLAIMS") ? size_t{1} : kStagedClaims;
   return batch;
 }
 
