@@ -21,6 +21,7 @@
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/executor.h"
+#include "runtime/fused_executor.h"
 #include "trace/case_assignment.h"
 #include "trace/describe.h"
 #include "trace/dot.h"
@@ -117,6 +118,12 @@ class PyGraph {
   // emitted constructs, so a loop inside an unrolled loop counts once per copy there).
   py::dict structure() const { return structure_of(state_->program.graph(), structured_, num_traces_); }
 
+  // The executor of mode "fused" (made on first use): its segments compile while runs go on.
+  const std::shared_ptr<runtime::FusedExecutor>& fused() {
+    if (!fused_) fused_ = std::make_shared<runtime::FusedExecutor>(emitted_.graph, emit::SegmentOptions{.feeds_ready = true});
+    return fused_;
+  }
+
   // The TorchScript graph itself, shared with this object (what _C.runtime.GraphRunner takes).
   const std::shared_ptr<torch::jit::Graph>& graph() const { return emitted_.graph; }
 
@@ -171,10 +178,11 @@ class PyGraph {
   }
 
   runtime::Executor& executor(const std::string& mode) {
+    if (mode == "fused") return *fused();
     auto& slot = executors_[mode];
     if (!slot) {
       TORCH_CHECK(mode == "interpreter" || mode == "graph_executor",
-                  "terra_torch: executor mode must be 'interpreter' or 'graph_executor', got '", mode, "'");
+                  "terra_torch: executor mode must be 'interpreter', 'graph_executor' or 'fused', got '", mode, "'");
       slot = std::make_unique<runtime::TorchScriptExecutor>(
           emitted_.graph, mode == "interpreter" ? runtime::TorchScriptMode::kInterpreter
                                                 : runtime::TorchScriptMode::kGraphExecutor);
@@ -188,6 +196,7 @@ class PyGraph {
   size_t num_traces_ = 0;
   std::map<std::string, double> timings_;
   std::map<std::string, std::unique_ptr<runtime::Executor>> executors_;
+  std::shared_ptr<runtime::FusedExecutor> fused_;
 };
 
 // Parses TorchScript IR, runs the emitter's pass pipeline on it, returns the result: lets tests
@@ -234,6 +243,7 @@ void init_emit(py::module_& m) {
       .def("describe_tracegraph", &PyGraph::describe_tracegraph)
       .def_property_readonly("structure", &PyGraph::structure,
                              "counts of the TraceGraph (nodes, ops, loops, branch/merge points) and program")
+      .def_property_readonly("fused", &PyGraph::fused, "the executor of run(mode='fused'): compiled segments")
       .def_property_readonly("graph", &PyGraph::graph, "the generated torch._C.Graph (shared, not a copy)")
       .def("to_dot", &PyGraph::to_dot, py::arg("title") = "",
            "Graphviz DOT of the TraceGraph and its switches and loops, with op names and source lines");

@@ -38,5 +38,6 @@ PYBIND11_MODULE(_C, m) {
   terra::python::init_profile(m);
   terra::python::init_emit(m);
   terra::python::init_runtime(m);
+  terra::python::init_fused(m);
   terra::python::init_session(m);
 }

@@ -1,0 +1,231 @@
+// cut_segments(): see segments.h for what a segment is and the rules.
+#include "emit/segments.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "emit/channel.h"
+
+namespace terra::emit {
+
+namespace {
+
+using torch::jit::Block;
+using torch::jit::Graph;
+using torch::jit::Node;
+using torch::jit::Value;
+
+bool is_constant(const Value* v) { return v->node()->kind() == c10::prim::Constant; }
+
+// May this node be part of a segment? (segments.h: tensor results, constant non-tensor
+// arguments, not random.)
+bool fusible(const Node* n) {
+  if (!n->kind().is_aten()) return false;
+  const c10::FunctionSchema* schema = n->maybeSchema();
+  if (schema == nullptr || schema->is_vararg() || schema->is_varret() || n->outputs().empty()) return false;
+  for (const Value* out : n->outputs()) {
+    if (out->type()->kind() != c10::TypeKind::TensorType) return false;
+  }
+  for (const Value* in : n->inputs()) {
+    const bool tensor = in->type()->kind() == c10::TypeKind::TensorType;
+    if (tensor == is_constant(in)) return false;  // a tensor constant, or a number fed at run time
+  }
+  const auto op = c10::Dispatcher::singleton().findOp({schema->name(), schema->overload_name()});
+  return op.has_value() && !op->hasTag(at::Tag::nondeterministic_seeded);
+}
+
+bool aliases_an_argument(const Node* n, size_t output) {
+  const c10::FunctionSchema& schema = n->schema();
+  return output < schema.returns().size() && schema.returns()[output].alias_info() != nullptr;
+}
+
+// A stretch being cut: its ops in order, and the publishes found between them.
+struct Stretch {
+  std::vector<Node*> ops;
+  std::vector<Node*> publishes;
+};
+
+size_t compute_ops(const std::vector<Node*>& ops) {
+  size_t n = 0;
+  for (const Node* op : ops) {
+    bool alias = false;
+    for (size_t k = 0; k < op->outputs().size(); ++k) alias = alias || aliases_an_argument(op, k);
+    if (!alias) ++n;
+  }
+  return n;
+}
+
+bool used_outside(const Value* v, const std::unordered_set<const Node*>& inside) {
+  for (const torch::jit::Use& use : v->uses()) {
+    if (!inside.count(use.user)) return true;
+  }
+  return false;
+}
+
+// An op that only makes views: each result aliases an argument and it writes none.
+bool pure_view(const Node* n) {
+  const c10::FunctionSchema& schema = n->schema();
+  for (const c10::Argument& a : schema.arguments()) {
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return false;
+  }
+  for (const c10::Argument& r : schema.returns()) {
+    if (r.alias_info() == nullptr) return false;
+  }
+  return true;
+}
+
+// Makes `ops` safe to compile and appends the parts to `out`. An aliasing result used after the
+// segment must stay an alias of what it aliases in eager, unless what it aliases is the
+// segment's own value and nothing else of that value leaves it (compiled code's new tensor is
+// then as good). Otherwise a pure view of tensors from before the segment is left in place
+// (it stays before the segment call, which goes after the last op) and any other such op
+// splits the stretch; each change makes more uses outside, so the parts are checked again.
+void split_escaping_aliases(std::vector<Node*> ops, std::vector<std::vector<Node*>>& out) {
+  if (ops.empty()) return;
+  const std::unordered_set<const Node*> inside(ops.begin(), ops.end());
+  std::unordered_map<const Value*, const Value*> root;  // an aliasing result -> the value at its bottom
+  auto root_of = [&](const Value* v) {
+    auto it = root.find(v);
+    return it == root.end() ? v : it->second;
+  };
+  std::unordered_map<const Value*, int> leaving;  // per root: its values used after the segment
+  for (const Node* op : ops) {
+    const c10::FunctionSchema& schema = op->schema();
+    for (size_t k = 0; k < op->outputs().size(); ++k) {
+      if (aliases_an_argument(op, k)) {
+        for (size_t j = 0; j < op->inputs().size() && j < schema.arguments().size(); ++j) {
+          if (schema.arguments()[j].alias_info() != nullptr) {
+            root.emplace(op->output(k), root_of(op->input(j)));
+            break;
+          }
+        }
+      }
+      if (used_outside(op->output(k), inside)) ++leaving[root_of(op->output(k))];
+    }
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    for (size_t k = 0; k < ops[i]->outputs().size(); ++k) {
+      const Value* v = ops[i]->output(k);
+      if (!aliases_an_argument(ops[i], k) || !used_outside(v, inside)) continue;
+      const Value* r = root_of(v);
+      if (inside.count(r->node()) && !aliases_an_argument(r->node(), r->offset()) && leaving[r] == 1) continue;
+      bool from_before = pure_view(ops[i]);
+      for (const Value* in : ops[i]->inputs()) from_before = from_before && !inside.count(in->node());
+      std::vector<Node*> rest(ops.begin(), ops.begin() + i);
+      if (from_before) {
+        rest.insert(rest.end(), ops.begin() + i + 1, ops.end());
+        split_escaping_aliases(std::move(rest), out);
+      } else {
+        split_escaping_aliases(std::move(rest), out);
+        split_escaping_aliases({ops.begin() + i + 1, ops.end()}, out);
+      }
+      return;
+    }
+  }
+  out.push_back(std::move(ops));
+}
+
+class Cutter {
+ public:
+  Cutter(Graph& graph, const SegmentOptions& options, std::vector<Segment>& segments)
+      : graph_(graph), options_(options), segments_(segments), publish_(c10::Symbol::fromQualString(kPublishOp)),
+        segment_(c10::Symbol::fromQualString(kSegmentOp)),
+        feed_(c10::Symbol::fromQualString(kFeedOp)) {}
+
+  void cut(Block* block) {
+    // Collected first: cutting rewrites the block.
+    std::vector<Stretch> stretches(1);
+    for (Node* n : block->nodes()) {
+      for (Block* inner : n->blocks()) cut(inner);
+      if (fusible(n)) {
+        stretches.back().ops.push_back(n);
+      } else if (n->kind() == publish_ && !stretches.back().ops.empty()) {
+        stretches.back().publishes.push_back(n);
+      } else if (n->kind() == c10::prim::Constant || (options_.feeds_ready && n->kind() == feed_)) {
+        // (stays in place, before the segment call)
+      } else if (!stretches.back().ops.empty()) {
+        stretches.emplace_back();
+      }
+    }
+    for (Stretch& s : stretches) {
+      std::vector<std::vector<Node*>> parts;
+      split_escaping_aliases(std::move(s.ops), parts);
+      for (std::vector<Node*>& part : parts) {
+        if (compute_ops(part) >= options_.min_compute_ops) replace(part, s.publishes);
+      }
+    }
+  }
+
+ private:
+  // Replaces `ops` by a terra::segment call after the last of them; the publishes among them
+  // (of the stretch they came from) move after the call.
+  void replace(const std::vector<Node*>& ops, const std::vector<Node*>& publishes) {
+    const std::unordered_set<const Node*> inside(ops.begin(), ops.end());
+    auto body = std::make_shared<Graph>();
+    std::unordered_map<Value*, Value*> env;
+    std::vector<Value*> inputs;
+    auto body_value = [&](Value* v) -> Value* {
+      if (auto it = env.find(v); it != env.end()) return it->second;
+      Value* b = nullptr;
+      if (is_constant(v)) {
+        b = body->appendNode(body->createClone(v->node(), [](Value*) -> Value* { return nullptr; }))->output();
+      } else {
+        b = body->addInput()->setType(v->type());
+        inputs.push_back(v);
+      }
+      env.emplace(v, b);
+      return b;
+    };
+    std::vector<Value*> outputs;
+    for (Node* op : ops) {
+      Node* copy = body->appendNode(body->createClone(op, body_value));
+      for (size_t k = 0; k < op->outputs().size(); ++k) {
+        env.emplace(op->output(k), copy->output(k));
+        if (used_outside(op->output(k), inside)) outputs.push_back(op->output(k));
+      }
+    }
+    for (Value* v : outputs) body->registerOutput(env.at(v));
+
+    Node* last = ops.back();
+    torch::jit::WithInsertPoint at(last->next());
+    Node* list = graph_.insertNode(graph_.createList(c10::TensorType::get(), inputs));
+    Value* index = graph_.insertConstant(static_cast<int64_t>(segments_.size()));
+    Node* call = graph_.insertNode(graph_.create(segment_, {index, list->output()}, 1));
+    call->output()->setType(c10::ListType::ofTensors());
+    Node* unpack = graph_.insertNode(graph_.createListUnpack(call->output(), outputs.size()));
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      unpack->output(i)->setType(outputs[i]->type());
+      outputs[i]->replaceAllUsesWith(unpack->output(i));
+    }
+    Node* after = unpack;
+    for (Node* p : publishes) {
+      if (p->isBefore(last)) {  // (publishes after `last` stay where they are)
+        p->moveAfter(after);
+        after = p;
+      }
+    }
+    for (auto it = ops.rbegin(); it != ops.rend(); ++it) (*it)->destroy();
+    segments_.push_back({std::move(body), ops.size()});
+  }
+
+  Graph& graph_;
+  const SegmentOptions& options_;
+  std::vector<Segment>& segments_;
+  const c10::Symbol publish_, segment_, feed_;
+};
+
+}  // namespace
+
+SegmentedGraph cut_segments(const std::shared_ptr<Graph>& graph, const SegmentOptions& options) {
+  SegmentedGraph out;
+  out.graph = graph->copy();
+  Cutter(*out.graph, options, out.segments).cut(out.graph->block());
+  out.graph->lint();
+  return out;
+}
+
+}  // namespace terra::emit

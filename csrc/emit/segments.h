@@ -1,0 +1,68 @@
+// Segments: the straight-line stretches of aten ops in a generated graph, cut out so that each
+// can run as one compiled function (runtime/fused_executor.h runs them; terra_torch/_fused.py
+// compiles them with AOTInductor).
+//
+// A worked example. The emitted graph of an MLP step (terra_torch.graph.build) holds
+//
+//     %10 = terra::feed(0)                      <- a channel op: ends any stretch
+//     %21 = aten::addmm(%12, %18, %10, 1, 1)
+//     %26 = aten::relu(%21)
+//     %44 = aten::_log_softmax(%26, 1, False)
+//     %9  = terra::feed(5)                      <- ends the stretch (in co-execution)
+//
+// and cut_segments() turns the three aten ops into
+//
+//     %l  = prim::ListConstruct(%12, %18, %10)
+//     %s  = terra::segment(0, %l)               <- segment 0's body: the three ops
+//     %44 = prim::ListUnpack(%s)                <- only the values used after the stretch
+//
+// What a segment may hold, and why (each rule in fusible() / split_escaping_aliases()):
+// - aten ops with tensor results only, whose other arguments are constants: a compiled function
+//   is specialized to them (a Python number fed each iteration stays interpreted);
+// - no random ops: compiled code draws other numbers than eager's kernels;
+// - no op whose result aliases an argument (a view, an in-place op's return) if that result is
+//   used after the segment: compiled code returns new tensors, and a later in-place write
+//   through the view must reach the viewed tensor. Inside the segment views are fine.
+// terra::publish ops between the stretch's ops (co-execution graphs publish every output) move
+// after the segment call: no other channel op is crossed, so nothing Python posts is waited
+// for before them, and a waiting Python only waits until the segment has run.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace torch::jit {
+struct Graph;
+}
+
+namespace terra::emit {
+
+inline constexpr const char* kSegmentOp = "terra::segment";
+
+// One cut-out stretch: a graph whose inputs are the tensors the stretch reads from before it
+// and whose outputs are its values used after it.
+struct Segment {
+  std::shared_ptr<torch::jit::Graph> body;
+  size_t num_ops = 0;  // aten ops in the body (views included)
+};
+
+struct SegmentedGraph {
+  std::shared_ptr<torch::jit::Graph> graph;  // the input graph with terra::segment(k, inputs) calls
+  std::vector<Segment> segments;             // indexed by k
+};
+
+struct SegmentOptions {
+  // Stretches with fewer ops that compute (views and aliases not counted) stay in place: a
+  // compiled call costs more than an interpreted op or two.
+  size_t min_compute_ops = 2;
+  // Every terra::feed has its tensor before the graph starts (a replay, a direct graph): feeds
+  // then stay in place without ending a stretch. Not in co-execution, where a feed waits for
+  // Python to reach its op, and Python may wait for a value of the stretch before it does.
+  bool feeds_ready = false;
+};
+
+// Cuts every stretch of `graph` (a copy; the argument is not changed).
+SegmentedGraph cut_segments(const std::shared_ptr<torch::jit::Graph>& graph, const SegmentOptions& options = {});
+
+}  // namespace terra::emit

@@ -1,0 +1,326 @@
+// FusedExecutor: see fused_executor.h for a segment's life and the locking.
+#include "runtime/fused_executor.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <sstream>
+#include <unordered_map>
+#include <variant>
+
+namespace terra::runtime {
+
+namespace {
+
+using Loader = torch::inductor::AOTIModelPackageLoader;
+
+enum class State { kNew, kRequested, kCompiling, kLoaded, kTrusted, kInterpreted };
+
+const char* name_of(State s) {
+  switch (s) {
+    case State::kNew: return "new";
+    case State::kRequested: return "requested";
+    case State::kCompiling: return "compiling";
+    case State::kLoaded: return "loaded";
+    case State::kTrusted: return "trusted";
+    case State::kInterpreted: return "interpreted";
+  }
+  return "?";
+}
+
+// The executor whose graph is running on this thread (the terra::segment kernel's target).
+thread_local FusedExecutor* t_running = nullptr;
+
+struct RunningScope {
+  FusedExecutor* saved;
+  explicit RunningScope(FusedExecutor* e) : saved(t_running) { t_running = e; }
+  ~RunningScope() { t_running = saved; }
+};
+
+std::vector<at::Tensor> segment_kernel(int64_t index, std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(t_running != nullptr, "terra_torch: terra::segment ran outside a FusedExecutor");
+  return t_running->run_segment(static_cast<size_t>(index), std::move(inputs));
+}
+
+// Which body inputs the body may write: directly, or through a view it made of them.
+std::vector<bool> written_inputs(const torch::jit::Graph& body) {
+  std::vector<bool> written(body.inputs().size(), false);
+  std::unordered_map<const torch::jit::Value*, size_t> root;
+  for (size_t i = 0; i < body.inputs().size(); ++i) root.emplace(body.inputs()[i], i);
+  for (const torch::jit::Node* n : body.nodes()) {
+    const c10::FunctionSchema* schema = n->maybeSchema();
+    if (schema == nullptr) continue;
+    std::optional<size_t> aliased;  // the input an aliasing result views
+    for (size_t j = 0; j < n->inputs().size() && j < schema->arguments().size(); ++j) {
+      const c10::AliasInfo* info = schema->arguments()[j].alias_info();
+      auto it = root.find(n->input(j));
+      if (info == nullptr || it == root.end()) continue;
+      if (info->isWrite()) written[it->second] = true;
+      if (!aliased) aliased = it->second;
+    }
+    for (size_t k = 0; k < n->outputs().size() && k < schema->returns().size(); ++k) {
+      if (aliased && schema->returns()[k].alias_info() != nullptr) root.emplace(n->output(k), *aliased);
+    }
+  }
+  return written;
+}
+
+// The CallPlan of these inputs (fused_executor.h), or why compiled code cannot take them.
+std::variant<CallPlan, std::string> plan_of(const std::vector<at::Tensor>& inputs, const std::vector<bool>& written) {
+  std::vector<std::pair<const c10::StorageImpl*, size_t>> by_storage;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (written[i] && !inputs[i].is_non_overlapping_and_dense())
+      return "input " + std::to_string(i) + " is written and overlaps itself";
+    if (inputs[i].has_storage()) by_storage.emplace_back(inputs[i].storage().unsafeGetStorageImpl(), i);
+  }
+  std::sort(by_storage.begin(), by_storage.end());
+  std::vector<int64_t> base_of(inputs.size(), -1);
+  CallPlan plan;
+  for (size_t a = 0; a < by_storage.size();) {
+    size_t b = a + 1;
+    bool any_written = written[by_storage[a].second];
+    while (b < by_storage.size() && by_storage[b].first == by_storage[a].first) any_written |= written[by_storage[b++].second];
+    if (b - a >= 2 && any_written) {
+      const at::Tensor& t = inputs[by_storage[a].second];  // (the lowest index: sorted by (storage, index))
+      const size_t item = t.element_size();
+      for (size_t k = a; k < b; ++k) {
+        if (inputs[by_storage[k].second].scalar_type() != t.scalar_type())
+          return std::string("inputs of different dtypes share memory");
+      }
+      if (t.storage().nbytes() % item != 0) return std::string("a shared memory is not a whole number of elements");
+      for (size_t k = a; k < b; ++k) base_of[by_storage[k].second] = static_cast<int64_t>(plan.bases.size());
+      plan.bases.push_back({by_storage[a].second, static_cast<int64_t>(t.storage().nbytes() / item), t.scalar_type(), t.device()});
+    }
+    a = b;
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    if (base_of[i] < 0) {
+      plan.direct.push_back({i, {t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device()}});
+    } else {
+      plan.views.push_back({i, static_cast<size_t>(base_of[i]), t.sizes().vec(), t.strides().vec(), t.storage_offset()});
+    }
+  }
+  return plan;
+}
+
+// The compiled function's arguments: the direct inputs, then a flat view over each base's memory.
+std::vector<at::Tensor> call_arguments(const CallPlan& plan, const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> out;
+  out.reserve(plan.direct.size() + plan.bases.size());
+  for (const CallPlan::Direct& d : plan.direct) out.push_back(inputs[d.input]);
+  for (const CallPlan::Base& b : plan.bases) out.push_back(inputs[b.first_input].as_strided({b.numel}, {1}, 0));
+  return out;
+}
+
+// Why `got` (compiled) is not `want` (interpreted) within the tolerance, or nullopt.
+std::optional<std::string> differs(const at::Tensor& got, const at::Tensor& want, double& max_difference) {
+  if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type())
+    return "a result has another shape or type";
+  if (!at::isFloatingType(want.scalar_type()) && !at::isComplexType(want.scalar_type()))
+    return at::equal(got, want) ? std::nullopt : std::optional<std::string>("an integer or boolean result differs");
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  const at::Tensor nan_g = g.isnan(), nan_w = w.isnan();
+  if (!at::equal(nan_g, nan_w)) return "NaNs differ";
+  const at::Tensor diff = (g - w).abs().masked_fill(nan_w, 0).masked_fill(g.eq(w), 0);  // (inf == inf)
+  if (diff.numel() > 0) max_difference = std::max(max_difference, diff.max().item<double>());
+  const at::Tensor bound = w.abs().masked_fill(nan_w, 0) * FusedExecutor::kRelTolerance + FusedExecutor::kAbsTolerance;
+  if (diff.gt(bound).any().item<bool>()) {
+    std::ostringstream os;
+    os << "compiled results differ from the interpreter's by up to " << max_difference << " (tolerance "
+       << FusedExecutor::kAbsTolerance << " + " << FusedExecutor::kRelTolerance << " * |value|)";
+    return os.str();
+  }
+  return std::nullopt;
+}
+
+struct SegmentState {
+  emit::Segment segment;
+  torch::jit::Code code;
+  std::vector<bool> written;
+  // Guarded by FusedExecutor::Impl::mu, except where noted.
+  State state = State::kNew;
+  std::string reason;
+  CallPlan plan;  // set once (kNew -> kRequested), read-only after
+  std::shared_ptr<Loader> loader;
+  double max_difference = 0;
+  std::atomic<int64_t> compiled_runs{0}, interpreted_runs{0};
+
+  explicit SegmentState(emit::Segment s)
+      : segment(std::move(s)), code(segment.body, "terra_segment"), written(written_inputs(*segment.body)) {}
+
+  std::vector<at::Tensor> interpret(const std::vector<at::Tensor>& inputs) {
+    interpreted_runs.fetch_add(1, std::memory_order_relaxed);
+    torch::jit::Stack stack(inputs.begin(), inputs.end());
+    torch::jit::InterpreterState(code).run(stack);
+    std::vector<at::Tensor> out;
+    out.reserve(stack.size());
+    for (c10::IValue& v : stack) out.push_back(std::move(v).toTensor());
+    return out;
+  }
+};
+
+}  // namespace
+
+struct FusedExecutor::Impl {
+  emit::SegmentedGraph segmented;
+  std::unique_ptr<TorchScriptExecutor> outer;
+  std::vector<std::unique_ptr<SegmentState>> segments;
+  mutable std::mutex mu;
+  std::condition_variable requested;
+};
+
+FusedExecutor::FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emit::SegmentOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->segmented = emit::cut_segments(graph, options);
+  impl_->outer = std::make_unique<TorchScriptExecutor>(impl_->segmented.graph);
+  for (const emit::Segment& s : impl_->segmented.segments) impl_->segments.push_back(std::make_unique<SegmentState>(s));
+}
+
+FusedExecutor::~FusedExecutor() = default;
+
+std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
+  RunningScope running(this);
+  return impl_->outer->run(std::move(inputs));
+}
+
+std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(index < impl_->segments.size(), "terra_torch: no segment ", index);
+  SegmentState& s = *impl_->segments[index];
+  State state;
+  std::shared_ptr<Loader> loader;
+  {
+    std::lock_guard lock(impl_->mu);
+    state = s.state;
+    loader = s.loader;
+  }
+  if (state == State::kNew) {
+    std::variant<CallPlan, std::string> plan = plan_of(inputs, s.written);
+    {
+      std::lock_guard lock(impl_->mu);
+      if (s.state == State::kNew) {
+        if (auto* p = std::get_if<CallPlan>(&plan)) {
+          s.plan = std::move(*p);
+          s.state = State::kRequested;
+        } else {
+          s.state = State::kInterpreted;
+          s.reason = std::get<std::string>(plan);
+        }
+      }
+    }
+    impl_->requested.notify_all();
+    return s.interpret(inputs);
+  }
+  if (state != State::kTrusted && state != State::kLoaded) return s.interpret(inputs);
+  const std::variant<CallPlan, std::string> plan = plan_of(inputs, s.written);
+  const CallPlan* same = std::get_if<CallPlan>(&plan);
+  if (same == nullptr || !(*same == s.plan)) return s.interpret(inputs);  // (another batch size: later)
+  if (state == State::kTrusted) {
+    s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
+    return loader->run(call_arguments(s.plan, inputs));
+  }
+  // kLoaded: the first compiled run, on copies of the arguments, checked against the
+  // interpreter on the real inputs (whose results are the ones returned).
+  std::vector<at::Tensor> copies;
+  for (const at::Tensor& a : call_arguments(s.plan, inputs)) copies.push_back(a.clone(at::MemoryFormat::Preserve));
+  std::optional<std::string> reason;
+  std::vector<at::Tensor> got;
+  try {
+    got = loader->run(copies);
+  } catch (const std::exception& e) {
+    reason = std::string("compiled code failed: ") + e.what();
+  }
+  std::vector<at::Tensor> want = s.interpret(inputs);
+  double max_difference = 0;
+  if (!reason && got.size() != want.size()) reason = "compiled code returned another number of results";
+  for (size_t i = 0; !reason && i < want.size(); ++i) reason = differs(got[i], want[i], max_difference);
+  for (size_t d = 0; !reason && d < s.plan.direct.size(); ++d) {
+    const size_t i = s.plan.direct[d].input;
+    if (s.written[i]) reason = differs(copies[d], inputs[i], max_difference);
+  }
+  for (size_t v = 0; !reason && v < s.plan.views.size(); ++v) {
+    const CallPlan::View& view = s.plan.views[v];
+    const at::Tensor& base = copies[s.plan.direct.size() + view.base];
+    reason = differs(base.as_strided(view.sizes, view.strides, view.offset), inputs[view.input], max_difference);
+  }
+  {
+    std::lock_guard lock(impl_->mu);
+    s.max_difference = max_difference;
+    s.state = reason ? State::kInterpreted : State::kTrusted;
+    if (reason) {
+      s.reason = *reason;
+      s.loader.reset();
+    }
+  }
+  return want;
+}
+
+std::optional<CompileRequest> FusedExecutor::next_request(std::chrono::nanoseconds wait) {
+  std::unique_lock lock(impl_->mu);
+  auto pending = [&]() -> SegmentState* {
+    for (auto& s : impl_->segments) {
+      if (s->state == State::kRequested) return s.get();
+    }
+    return nullptr;
+  };
+  impl_->requested.wait_for(lock, wait, [&] { return pending() != nullptr; });
+  SegmentState* s = pending();
+  if (s == nullptr) return std::nullopt;
+  s->state = State::kCompiling;
+  const size_t index = static_cast<size_t>(std::find_if(impl_->segments.begin(), impl_->segments.end(),
+                                                        [&](const auto& p) { return p.get() == s; }) -
+                                           impl_->segments.begin());
+  return CompileRequest{index, s->segment.body, s->plan};
+}
+
+void FusedExecutor::compiled(size_t index, const std::string& package_path) {
+  TORCH_CHECK(index < impl_->segments.size(), "terra_torch: no segment ", index);
+  std::shared_ptr<Loader> loader;
+  std::string error;
+  try {
+    loader = std::make_shared<Loader>(package_path);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!loader) return failed(index, "loading the compiled package failed: " + error);
+  std::lock_guard lock(impl_->mu);
+  SegmentState& s = *impl_->segments[index];
+  s.loader = std::move(loader);
+  s.state = State::kLoaded;
+}
+
+void FusedExecutor::failed(size_t index, const std::string& reason) {
+  TORCH_CHECK(index < impl_->segments.size(), "terra_torch: no segment ", index);
+  std::lock_guard lock(impl_->mu);
+  SegmentState& s = *impl_->segments[index];
+  s.state = State::kInterpreted;
+  s.reason = reason;
+  s.loader.reset();
+}
+
+std::vector<SegmentReport> FusedExecutor::report() const {
+  std::lock_guard lock(impl_->mu);
+  std::vector<SegmentReport> out;
+  for (const auto& s : impl_->segments) {
+    out.push_back({s->segment.num_ops, name_of(s->state), s->reason, s->compiled_runs.load(),
+                   s->interpreted_runs.load(), s->max_difference});
+  }
+  return out;
+}
+
+const emit::SegmentedGraph& FusedExecutor::segmented() const { return impl_->segmented; }
+
+}  // namespace terra::runtime
+
+// Registered with the channel ops' library (emit/channel_ops.cpp). CONSERVATIVE, as they are:
+// no pass moves a write across the call or merges two of them.
+TORCH_LIBRARY_FRAGMENT(terra, m) {
+  m.def(torch::schema("segment(int index, Tensor[] inputs) -> Tensor[]", c10::AliasAnalysisKind::CONSERVATIVE),
+        &terra::runtime::segment_kernel);
+}

@@ -1,0 +1,126 @@
+// FusedExecutor: the second Executor. It runs the generated graph with its straight-line
+// stretches cut out (emit/segments.h); each segment runs compiled code once that is compiled
+// and checked, the TorchScript interpreter before then and wherever compiled code cannot run.
+//
+// A segment's life:
+//
+//   new --first run (interpreted; its inputs' CallPlan noted)--> requested
+//   requested --compiler takes it (next_request)--> compiling
+//   compiling --compiled(path): package loaded--> loaded | --failed(reason)--> interpreted
+//   loaded --next run with the same plan: compiled on copies of the inputs, interpreted on
+//            the real ones, results and written inputs compared--> trusted | rejected
+//   trusted: compiled whenever the inputs' plan is the compiled one, else interpreted.
+//
+// The compiler is Python (terra_torch/_fused.py: the body as an FX graph, exported and compiled
+// by AOTInductor into a package); the package's code is loaded and run here without the GIL
+// (torch::inductor::AOTIModelPackageLoader). Results of compiled code are within a tolerance of
+// eager's, not bitwise (kRelTolerance, kAbsTolerance: the check), which is why the executor is
+// opt-in; the default TorchScriptExecutor stays bitwise.
+//
+// Locking: mu_ guards every segment's state; run() holds it only to read a segment's state and
+// to change it, never while a segment runs, so the compiler's next_request()/compiled() calls
+// and a running graph never wait for each other's work.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "emit/segments.h"
+#include "runtime/executor.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace terra::runtime {
+
+// What compiled code is specialized to: one input's layout.
+struct InputLayout {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  bool operator==(const InputLayout&) const = default;
+};
+
+// How a segment's inputs reach compiled code. Inputs that share memory with an input the
+// segment writes are passed as one flat tensor over that memory (a base) and rebuilt inside the
+// compiled function as views of it (as_strided), so that the compiled function sees the aliasing
+// and its functionalization keeps eager's order of the write and the reads (an optimizer step
+// writes a parameter that the forward read through another feed, or through t()). The others
+// are passed as they are. Compiled code runs only on inputs with the plan it was compiled for.
+struct CallPlan {
+  struct Direct {
+    size_t input = 0;
+    InputLayout layout;
+    bool operator==(const Direct&) const = default;
+  };
+  struct Base {
+    size_t first_input = 0;  // an input over the memory (its flat view is passed)
+    int64_t numel = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    c10::Device device = c10::Device(c10::DeviceType::CPU);
+    bool operator==(const Base&) const = default;
+  };
+  struct View {
+    size_t input = 0, base = 0;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset = 0;
+    bool operator==(const View&) const = default;
+  };
+  std::vector<Direct> direct;  // call arguments first, in input order
+  std::vector<Base> bases;     // then these
+  std::vector<View> views;
+  bool operator==(const CallPlan&) const = default;
+};
+
+struct CompileRequest {
+  size_t segment = 0;
+  std::shared_ptr<torch::jit::Graph> body;
+  CallPlan plan;
+};
+
+struct SegmentReport {
+  size_t ops = 0;
+  std::string state;   // new, requested, compiling, loaded, trusted, interpreted
+  std::string reason;  // why it stays interpreted (state "interpreted")
+  int64_t compiled_runs = 0;
+  int64_t interpreted_runs = 0;
+  double max_difference = 0;  // in the check: largest |compiled - interpreted|
+};
+
+class FusedExecutor final : public Executor {
+ public:
+  // Tolerance of the first compiled run's check, per element: |c - i| <= kAbs + kRel * |i|
+  // (float types; other types must be equal). torch.compile's own accuracy checks on float32
+  // allow about this much for reordered reductions and fused pointwise code.
+  static constexpr double kRelTolerance = 1e-3;
+  static constexpr double kAbsTolerance = 1e-5;
+
+  explicit FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emit::SegmentOptions& options = {});
+  ~FusedExecutor() override;
+  std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) override;
+
+  // For the compiler (any thread; blocks at most `wait`, so Python must release the GIL).
+  std::optional<CompileRequest> next_request(std::chrono::nanoseconds wait);
+  void compiled(size_t segment, const std::string& package_path);  // loads the package
+  void failed(size_t segment, const std::string& reason);
+  std::vector<SegmentReport> report() const;
+  const emit::SegmentedGraph& segmented() const;
+  // Called by the terra::segment op's kernel on the thread running this executor.
+  std::vector<at::Tensor> run_segment(size_t segment, std::vector<at::Tensor> inputs);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace terra::runtime

@@ -1,0 +1,165 @@
+"""Compiles the segments of a FusedExecutor (csrc/runtime/fused_executor.h) with AOTInductor.
+
+A segment is a straight-line stretch of aten ops cut out of a generated graph
+(csrc/emit/segments.h). Its body arrives here as plain data; it becomes an FX graph of the same
+`torch.ops.aten` overloads, is exported with inputs of the layouts the segment first ran with
+(torch.export functionalizes it: writes into inputs come back as copies into them, as
+torch.compile does with input mutation), and is compiled by AOTInductor into a package whose
+code the executor then runs from C++ without the GIL. The executor checks the first compiled run
+against the interpreter before it trusts it.
+
+Packages are kept in a cache directory (`TERRA_CACHE_DIR`, default `~/.cache/terra_torch`) under
+a key of the body, the layouts, the torch version and the compiler's own version, so a
+restarted job loads them instead of compiling again; each is written under a temporary name and
+renamed into place, so concurrent writers never leave a half-written package.
+
+    executor = graph.fused                   # terra_torch.graph.Graph with mode="fused"
+    compiler = SegmentCompiler(executor)     # a daemon thread: compiles what the runs request
+    ...
+    compiler.stop()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("terra_torch.fused")
+
+# Bumped when the way a body becomes a package changes: older packages are not reused.
+_COMPILER_VERSION = 2
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TERRA_CACHE_DIR") or os.path.join(Path.home(), ".cache", "terra_torch")
+    return Path(root) / "segments"
+
+
+def _overload(name: str, overload: str) -> torch._ops.OpOverload:
+    namespace, op = name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.GraphModule:
+    """The segment body as an FX GraphModule of the same aten overloads. Its arguments follow
+    the call plan (csrc/runtime/fused_executor.h, CallPlan): the direct inputs, then one flat
+    tensor per base, over which the other inputs are rebuilt with as_strided."""
+    graph = torch.fx.Graph()
+    values: dict[int, torch.fx.Node] = {}
+    for input_index, *_ in plan["direct"]:
+        values[input_index] = graph.placeholder(f"in{input_index}")
+    bases = [graph.placeholder(f"base{b}") for b in range(len(plan["bases"]))]
+    for input_index, base, sizes, strides, offset in plan["views"]:
+        values[input_index] = graph.call_function(torch.ops.aten.as_strided.default,
+                                                  (bases[base], sizes, strides, offset))
+    for name, overload, args, outs in body["nodes"]:
+        op = _overload(name, overload)
+        positional: list[Any] = []
+        keywords: dict[str, Any] = {}
+        for spec, (kind, v) in zip(op._schema.arguments, args):
+            value = values[v] if kind == "v" else v
+            if spec.kwarg_only:
+                keywords[spec.name] = value
+            else:
+                positional.append(value)
+        node = graph.call_function(op, tuple(positional), keywords)
+        if len(outs) == 1:
+            values[outs[0]] = node
+        else:
+            for k, out in enumerate(outs):
+                values[out] = graph.call_function(operator.getitem, (node, k))
+    graph.output(tuple(values[o] for o in body["outputs"]))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def example_arguments(plan: dict[str, list[Any]]) -> tuple[torch.Tensor, ...]:
+    """Arguments of the plan's layouts (values do not matter: every segment op has tensor
+    results of static shapes)."""
+    direct = [torch.empty_strided(sizes, strides, dtype=dtype, device=device).zero_()
+              for _, sizes, strides, dtype, device in plan["direct"]]
+    bases = [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype, device in plan["bases"]]
+    return tuple(direct + bases)
+
+
+def package_key(body: dict[str, Any], plan: dict[str, list[Any]]) -> str:
+    h = hashlib.sha256()
+    h.update(body["text"].encode())
+    h.update(repr(plan).encode())
+    h.update(f"{torch.__version__}|{_COMPILER_VERSION}".encode())
+    return h.hexdigest()[:32]
+
+
+def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[str, bool]:
+    """Path of the segment's AOTInductor package, and whether it came from the cache."""
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{package_key(body, plan)}.pt2"
+    if path.exists():
+        return str(path), True
+    module = build_module(body, plan)
+    with torch.no_grad():
+        exported = torch.export.export(module, example_arguments(plan), strict=False)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=directory)
+    os.close(fd)
+    try:
+        # Inductor's pattern matcher drops `alpha` from `w.add_(mm(t(a), b).t().t(), alpha=-0.1)`
+        # (torch 2.13: an SGD step through linear's backward came out 10x too large and of the
+        # wrong sign; the executor's check caught it). Without it the step is right.
+        with torch._inductor.config.patch(pattern_matcher=False):
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
+        os.replace(tmp, path)  # atomic: a reader sees the whole package or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(path), False
+
+
+def compile_one(executor: Any, wait_s: float) -> bool:
+    """Compiles one requested segment (waiting up to wait_s for a request); False if none came."""
+    request = executor.next_request(wait_s)
+    if request is None:
+        return False
+    segment, body, plan = request
+    t0 = time.perf_counter()
+    try:
+        path, cached = compile_segment(body, plan)
+    except Exception as e:  # noqa: BLE001 - any compiler failure leaves the segment interpreted
+        reason = f"compiling failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.info("terra_torch: segment %d (%d ops) stays interpreted: %s", segment, len(body["nodes"]), reason)
+        executor.failed(segment, reason)
+        return True
+    executor.compiled(segment, path)
+    log.info("terra_torch: segment %d (%d ops) %s in %.1f s", segment, len(body["nodes"]),
+             "loaded from the cache" if cached else "compiled", time.perf_counter() - t0)
+    return True
+
+
+class SegmentCompiler:
+    """A daemon thread that compiles the segments an executor's runs request, one at a time.
+
+    Compiling holds the GIL for export and code generation (seconds per segment) and runs the C++
+    compiler in a subprocess; the training loop goes on meanwhile, on interpreted segments."""
+
+    def __init__(self, executor: Any, poll_s: float = 0.2) -> None:
+        self._executor = executor
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="terra-segment-compiler", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        while not self._stop.is_set():
+            compile_one(self._executor, self._poll_s)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
