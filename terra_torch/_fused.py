@@ -13,14 +13,16 @@ a key of the body, the layouts, the torch version and the compiler's own version
 restarted job loads them instead of compiling again; each is written under a temporary name and
 renamed into place, so concurrent writers never leave a half-written package.
 
-    executor = graph.fused                   # terra_torch.graph.Graph with mode="fused"
-    compiler = SegmentCompiler(executor)     # a daemon thread: compiles what the runs request
-    ...
-    compiler.stop()
+    terra_torch.wrap(model, optimize="fused")     # co-execution: a SegmentCompiler thread
+    g = terra_torch.graph.build([rec])            # or by hand, on a generated graph:
+    g.run(rec, mode="fused")                      # segments run interpreted, request compiling
+    g.compile_segments()                          # compile what was requested (compile_one)
+    g.run(rec, mode="fused")                      # first compiled run, checked; then compiled
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import operator
@@ -28,8 +30,9 @@ import os
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -123,8 +126,9 @@ def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[s
     return str(path), False
 
 
-def compile_one(executor: Any, wait_s: float) -> bool:
-    """Compiles one requested segment (waiting up to wait_s for a request); False if none came."""
+def compile_one(executor: Any, wait_s: float, stop: threading.Event | None = None) -> bool:
+    """Compiles one requested segment (waiting up to wait_s for a request); False if none came.
+    Once `stop` is set nothing more is handed to the executor."""
     request = executor.next_request(wait_s)
     if request is None:
         return False
@@ -135,30 +139,56 @@ def compile_one(executor: Any, wait_s: float) -> bool:
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the segment interpreted
         reason = f"compiling failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.info("terra_torch: segment %d (%d ops) stays interpreted: %s", segment, len(body["nodes"]), reason)
-        executor.failed(segment, reason)
+        if stop is None or not stop.is_set():
+            executor.failed(segment, reason)
         return True
+    if stop is not None and stop.is_set():
+        return False
     executor.compiled(segment, path)
     log.info("terra_torch: segment %d (%d ops) %s in %.1f s", segment, len(body["nodes"]),
              "loaded from the cache" if cached else "compiled", time.perf_counter() - t0)
     return True
 
 
+_LIVE: "weakref.WeakSet[SegmentCompiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    # Before the interpreter finalizes: a daemon thread that takes the GIL back then is ended
+    # with a forced unwind, which C++ frames that released the GIL (next_request's wait) turn into
+    # std::terminate. A compile in flight is abandoned (its result is not handed over).
+    for compiler in list(_LIVE):
+        compiler.stop(timeout=2.0)
+
+
 class SegmentCompiler:
     """A daemon thread that compiles the segments an executor's runs request, one at a time.
 
-    Compiling holds the GIL for export and code generation (seconds per segment) and runs the C++
-    compiler in a subprocess; the training loop goes on meanwhile, on interpreted segments."""
+    `source()` returns the executor to serve now (a co-executed program gets a new one with each
+    graph it builds), None when there is none yet, or raises LookupError when its program is
+    gone (the thread then ends). Compiling holds the GIL for export and code generation (seconds
+    per segment) and runs the C++ compiler in a subprocess; the training loop goes on
+    meanwhile, on interpreted segments."""
 
-    def __init__(self, executor: Any, poll_s: float = 0.2) -> None:
-        self._executor = executor
+    def __init__(self, source: Callable[[], Any], poll_s: float = 0.2) -> None:
+        self._source = source
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="terra-segment-compiler", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _main(self) -> None:
         while not self._stop.is_set():
-            compile_one(self._executor, self._poll_s)
+            try:
+                executor = self._source()
+            except LookupError:
+                return
+            if executor is None:
+                self._stop.wait(self._poll_s)
+            else:
+                compile_one(executor, self._poll_s, self._stop)
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()

@@ -32,12 +32,18 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"terra_torch: mode must be one of {', '.join(_MODES)}; got {mode!r}")
 
 
-def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool = False,
+def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str = False,
          speed_check: bool = True) -> torch.nn.Module:
     """Co-execute everything between two forward calls of `model` (returns the same module).
 
     mode: "coexec" (graph on a worker thread, overlapping Python), "lazy" (the graph runs only
     when Python needs a value: serialized, the LazyTensor-like baseline), "trace" (record only).
+    optimize: False (default), True (TorchScript's passes on the generated graph) or "fused":
+    straight-line stretches of the graph are compiled by AOTInductor in a background thread and
+    run compiled once their first compiled run matched the interpreter (relative tolerance 1e-3,
+    absolute 1e-5, as torch.compile's accuracy checks): results within that tolerance of eager,
+    not bitwise; `explain()` lists what stays interpreted and why (docs/RUNTIME.md, "Compiled
+    segments").
     speed_check: after 100 co-executed iterations, and again now and then, time co-executed
     iterations against eager ones and run eagerly while eager is faster (the numbers are the same
     either way; terra_torch/_speed.py). False: always co-execute.
@@ -177,7 +183,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool = False,
+def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool | str = False,
              speed_check: bool = True) -> Any:
     """Decorator: each call of a training-step function starts an iteration (which runs until the
     next call, so reading its results between calls is part of the iteration). `mode`,

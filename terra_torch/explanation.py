@@ -50,6 +50,9 @@ class Explanation:
     # ITERATIONS): {"op", "line", "how", "iterations", "eager_for"}; None otherwise.
     not_converged: dict[str, Any] | None = None
     eager_reason: str = ""  # why the program last moved to phase "eager"
+    # optimize="fused": per compiled segment of the current graph, its report (ops, state,
+    # reason, compiled_runs, interpreted_runs, max_difference); None otherwise.
+    segments: list[dict[str, Any]] | None = None
     # The _C.emit.Graph the picture is drawn from; None before any graph was built.
     _graph: Any = field(default=None, repr=False, compare=False)
 
@@ -98,6 +101,13 @@ class Explanation:
                        f"differing ({nc['how']}); eager for {nc['eager_for']} iterations, then traced again")
         elif self.eager_reason:
             out.append(f"  eager: {self.eager_reason}")
+        if self.segments is not None:
+            trusted = [s for s in self.segments if s["state"] == "trusted"]
+            out.append(f"  compiled segments: {len(trusted)} of {len(self.segments)} run compiled "
+                       f"({sum(s['ops'] for s in trusted)} of {sum(s['ops'] for s in self.segments)} ops)")
+            for k, s in enumerate(self.segments):
+                if s["state"] == "interpreted":
+                    out.append(f"    segment {k} ({s['ops']} ops) stays interpreted: {s['reason']}")
         out.append(f"  fallbacks: {len(self.fallbacks)}")
         # Grouped by line: a site that falls back every iteration is one line to fix, not many.
         sites: dict[str | None, list[Fallback]] = {}
@@ -124,6 +134,7 @@ def explanation_from(
     graph_text: str | None = None,
     not_converged: dict[str, Any] | None = None,
     eager_reason: str = "",
+    segments: list[dict[str, Any]] | None = None,
 ) -> Explanation:
     """Build an Explanation from what the runtime holds.
 
@@ -143,6 +154,7 @@ def explanation_from(
         fallbacks=[fb if isinstance(fb, Fallback) else Fallback(*fb) for fb in fallbacks],
         not_converged=dict(not_converged) if not_converged else None,
         eager_reason=eager_reason,
+        segments=segments,
         _graph=native,
     )
 

@@ -110,7 +110,9 @@ class Graph:
     ) -> RunResult:
         """Execute the graph on `recording`'s path with its external tensors (or `externals`,
         indexed like `recording.externals`, e.g. clones taken before an in-place update).
-        `mode`: "interpreter" (Code + InterpreterState) or "graph_executor" (profiling)."""
+        `mode`: "interpreter" (Code + InterpreterState), "graph_executor" (profiling) or "fused"
+        (straight-line stretches run compiled once compile_segments() compiled them and their
+        first compiled run matched the interpreter: within a tolerance of eager, not bitwise)."""
         index = self._index[id(recording)]
         fetched = self._graph.run(index, None if externals is None else list(externals), mode)
         outputs: list[torch.Tensor | None] = [None] * len(recording.outputs)
@@ -122,6 +124,23 @@ class Graph:
             else:
                 reads.append(value)
         return RunResult(outputs, reads, fetched)
+
+
+    def compile_segments(self, wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Compile (AOTInductor, terra_torch/_fused.py) every segment that runs with
+        mode="fused" have requested so far, waiting up to `wait_s` for each further request;
+        returns the segments' report (ops, state, reason, compiled and interpreted runs)."""
+        from terra_torch import _fused
+
+        while _fused.compile_one(self._graph.fused, wait_s):
+            pass
+        return self.segments
+
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """Per segment of mode "fused": ops, state (new, requested, compiling, loaded, trusted,
+        interpreted), reason (why interpreted), compiled_runs, interpreted_runs, max_difference."""
+        return list(self._graph.fused.report())
 
 
 def build(recordings: Sequence[Recording], optimize: bool = True) -> Graph:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from terra_torch import _C, _log
+from terra_torch import _C, _fused, _log
 from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 from terra_torch.debug import Location
@@ -79,6 +79,7 @@ class Stats:
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
+_active_thread = 0  # the thread that opened it: capture is per thread (the TLS dispatch key)
 _programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
 _lock = threading.RLock()
 
@@ -106,19 +107,36 @@ def _stop_frame(start: FrameType | None = None) -> FrameType | None:
     return None
 
 
+def _fused_source(program: "weakref.ref[Program]") -> Callable[[], Any]:
+    def source() -> Any:
+        p = program()
+        if p is None:
+            raise LookupError("the program is gone")
+        return p._session.fused
+
+    return source
+
+
 class Program:
     """One co-executed program and its phase machine."""
 
-    def __init__(self, name: str, mode: str = "coexec", optimize: bool = False, speed_check: bool = False) -> None:
+    def __init__(self, name: str, mode: str = "coexec", optimize: bool | str = False,
+                 speed_check: bool = False) -> None:
         if mode not in ("coexec", "lazy", "trace"):
             raise ValueError(f"terra_torch: mode must be 'coexec', 'lazy' or 'trace', got {mode!r}")
+        if optimize not in (False, True, "fused"):
+            raise ValueError(f"terra_torch: optimize must be False, True or 'fused', got {optimize!r}")
         self.name = name
         self.mode = mode
         self.phase = "tracing"
         self.iteration = 0
         self.fallbacks: list[Fallback] = []
         self._stats = Stats()
-        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize)
+        fused = optimize == "fused"
+        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize is True, fused)
+        # optimize="fused": segments compile in the background (terra_torch/_fused.py). The thread
+        # holds the program weakly and ends with it.
+        self._compiler = _fused.SegmentCompiler(_fused_source(weakref.ref(self))) if fused else None
         self._region: Any = None
         self._region_phase = ""
         self._t0 = 0
@@ -157,7 +175,7 @@ class Program:
 
     def begin(self, stop_frame: FrameType | None) -> None:
         """Start an iteration (ending the open one, of this or another program)."""
-        global _active
+        global _active, _active_thread
         start = time.monotonic_ns()
         with _lock:
             if _active is not None:
@@ -171,7 +189,7 @@ class Program:
             self._speed_pending, self._last_begin_ns = None, start
             self._region_phase = self.phase
             self._t0 = start
-            _active = self
+            _active, _active_thread = self, threading.get_ident()
             if self.phase == "eager":
                 return
             if self.phase == "coexec":
@@ -442,9 +460,11 @@ class Program:
         phases = {"iterations": dict(s.iterations), "transitions": list(s.transitions),
                   "python_exec_s": s.python_exec_s, "python_stall_s": s.python_stall_s,
                   "graph_exec_s": s.graph_exec_s, "graph_stall_s": s.graph_stall_s, "phase": self.phase}
+        fused = self._session.fused
         return explanation_from(self._session if self._session.num_traces else None, phases, self.fallbacks,
                                 self._session.text or None, not_converged=s.not_converged,
-                                eager_reason=s.eager_reason)
+                                eager_reason=s.eager_reason,
+                                segments=list(fused.report()) if fused is not None else None)
 
     def _record_fallback(self, region: Any) -> Fallback:
         reason, record = self._session.divergence()
@@ -464,7 +484,10 @@ class Program:
 
 
 def active() -> Program | None:
-    return _active
+    """The program whose iteration the calling thread has open. Other threads (a DataLoader's, the
+    segment compiler's) get None: their tensors are never placeholders, and routing their reads
+    to the program made the compiler's torch.tensor() wait for the graph while holding the GIL."""
+    return _active if _active_thread == threading.get_ident() else None
 
 
 def synchronize_all() -> None:

@@ -5,6 +5,8 @@
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 
+#include <functional>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -78,51 +80,32 @@ bool pure_view(const Node* n) {
   return true;
 }
 
+// The argument an in-place op's result `k` is (`Tensor(a!) self -> Tensor(a!)`), or nullopt.
+std::optional<size_t> returned_argument(const Node* n, size_t k) {
+  const c10::FunctionSchema& schema = n->schema();
+  if (k >= schema.returns().size() || schema.returns()[k].alias_info() == nullptr) return std::nullopt;
+  const c10::AliasInfo& result = *schema.returns()[k].alias_info();
+  for (size_t j = 0; j < schema.arguments().size() && j < n->inputs().size(); ++j) {
+    const c10::AliasInfo* arg = schema.arguments()[j].alias_info();
+    if (arg != nullptr && arg->isWrite() && arg->beforeSets() == result.beforeSets()) return j;
+  }
+  return std::nullopt;
+}
+
 // Makes `ops` safe to compile and appends the parts to `out`. An aliasing result used after the
-// segment must stay an alias of what it aliases in eager, unless what it aliases is the
-// segment's own value and nothing else of that value leaves it (compiled code's new tensor is
-// then as good). Otherwise a pure view of tensors from before the segment is left in place
-// (it stays before the segment call, which goes after the last op) and any other such op
-// splits the stretch; each change makes more uses outside, so the parts are checked again.
+// segment must alias there what it aliases in eager. Two kinds can: an in-place op's result is
+// its argument (after the call: the argument, which the compiled code wrote in place, or the
+// segment's result for it), and a pure view is made again after the call from what it views
+// (Cutter::replace). Any other aliasing result used after the segment splits the stretch.
 void split_escaping_aliases(std::vector<Node*> ops, std::vector<std::vector<Node*>>& out) {
   if (ops.empty()) return;
   const std::unordered_set<const Node*> inside(ops.begin(), ops.end());
-  std::unordered_map<const Value*, const Value*> root;  // an aliasing result -> the value at its bottom
-  auto root_of = [&](const Value* v) {
-    auto it = root.find(v);
-    return it == root.end() ? v : it->second;
-  };
-  std::unordered_map<const Value*, int> leaving;  // per root: its values used after the segment
-  for (const Node* op : ops) {
-    const c10::FunctionSchema& schema = op->schema();
-    for (size_t k = 0; k < op->outputs().size(); ++k) {
-      if (aliases_an_argument(op, k)) {
-        for (size_t j = 0; j < op->inputs().size() && j < schema.arguments().size(); ++j) {
-          if (schema.arguments()[j].alias_info() != nullptr) {
-            root.emplace(op->output(k), root_of(op->input(j)));
-            break;
-          }
-        }
-      }
-      if (used_outside(op->output(k), inside)) ++leaving[root_of(op->output(k))];
-    }
-  }
   for (size_t i = 0; i < ops.size(); ++i) {
     for (size_t k = 0; k < ops[i]->outputs().size(); ++k) {
-      const Value* v = ops[i]->output(k);
-      if (!aliases_an_argument(ops[i], k) || !used_outside(v, inside)) continue;
-      const Value* r = root_of(v);
-      if (inside.count(r->node()) && !aliases_an_argument(r->node(), r->offset()) && leaving[r] == 1) continue;
-      bool from_before = pure_view(ops[i]);
-      for (const Value* in : ops[i]->inputs()) from_before = from_before && !inside.count(in->node());
-      std::vector<Node*> rest(ops.begin(), ops.begin() + i);
-      if (from_before) {
-        rest.insert(rest.end(), ops.begin() + i + 1, ops.end());
-        split_escaping_aliases(std::move(rest), out);
-      } else {
-        split_escaping_aliases(std::move(rest), out);
-        split_escaping_aliases({ops.begin() + i + 1, ops.end()}, out);
-      }
+      if (!aliases_an_argument(ops[i], k) || !used_outside(ops[i]->output(k), inside)) continue;
+      if (returned_argument(ops[i], k) || pure_view(ops[i])) continue;
+      split_escaping_aliases({ops.begin(), ops.begin() + i}, out);
+      split_escaping_aliases({ops.begin() + i + 1, ops.end()}, out);
       return;
     }
   }
@@ -162,9 +145,40 @@ class Cutter {
 
  private:
   // Replaces `ops` by a terra::segment call after the last of them; the publishes among them
-  // (of the stretch they came from) move after the call.
+  // (of the stretch they came from) move after the call. The body's outputs are the values
+  // computed in it that are used after it; aliasing results used after it are made there
+  // from those (split_escaping_aliases says how), so that they alias what they do in eager.
   void replace(const std::vector<Node*>& ops, const std::vector<Node*>& publishes) {
     const std::unordered_set<const Node*> inside(ops.begin(), ops.end());
+    auto defined_inside = [&](const Value* v) { return inside.count(v->node()) > 0; };
+    // The values the body returns, in order of first need.
+    std::vector<Value*> outputs;
+    std::unordered_set<const Value*> returned;
+    std::function<void(Value*)> need = [&](Value* v) {
+      if (!defined_inside(v) || returned.count(v)) return;
+      Node* op = v->node();
+      const size_t k = v->offset();
+      if (!aliases_an_argument(op, k)) {
+        returned.insert(v);
+        outputs.push_back(v);
+      } else if (auto j = returned_argument(op, k)) {
+        need(op->input(*j));
+      } else {
+        for (Value* in : op->inputs()) {
+          if (in->type()->kind() == c10::TypeKind::TensorType) need(in);
+        }
+      }
+    };
+    std::vector<Value*> leaving;
+    for (Node* op : ops) {
+      for (Value* v : op->outputs()) {
+        if (used_outside(v, inside)) {
+          leaving.push_back(v);
+          need(v);
+        }
+      }
+    }
+
     auto body = std::make_shared<Graph>();
     std::unordered_map<Value*, Value*> env;
     std::vector<Value*> inputs;
@@ -180,13 +194,9 @@ class Cutter {
       env.emplace(v, b);
       return b;
     };
-    std::vector<Value*> outputs;
     for (Node* op : ops) {
       Node* copy = body->appendNode(body->createClone(op, body_value));
-      for (size_t k = 0; k < op->outputs().size(); ++k) {
-        env.emplace(op->output(k), copy->output(k));
-        if (used_outside(op->output(k), inside)) outputs.push_back(op->output(k));
-      }
+      for (size_t k = 0; k < op->outputs().size(); ++k) env.emplace(op->output(k), copy->output(k));
     }
     for (Value* v : outputs) body->registerOutput(env.at(v));
 
@@ -197,15 +207,31 @@ class Cutter {
     Node* call = graph_.insertNode(graph_.create(segment_, {index, list->output()}, 1));
     call->output()->setType(c10::ListType::ofTensors());
     Node* unpack = graph_.insertNode(graph_.createListUnpack(call->output(), outputs.size()));
+    // What stands for a value of the segment after the call.
+    std::unordered_map<const Value*, Value*> after;
     for (size_t i = 0; i < outputs.size(); ++i) {
       unpack->output(i)->setType(outputs[i]->type());
-      outputs[i]->replaceAllUsesWith(unpack->output(i));
+      after.emplace(outputs[i], unpack->output(i));
     }
-    Node* after = unpack;
+    std::function<Value*(Value*)> value_after = [&](Value* v) -> Value* {
+      if (!defined_inside(v)) return v;
+      if (auto it = after.find(v); it != after.end()) return it->second;
+      Node* op = v->node();
+      if (auto j = returned_argument(op, v->offset())) {
+        Value* r = value_after(op->input(*j));
+        after.emplace(v, r);
+        return r;
+      }
+      Node* view = graph_.insertNode(graph_.createClone(op, value_after));  // a pure view, made again
+      for (size_t k = 0; k < op->outputs().size(); ++k) after.emplace(op->output(k), view->output(k));
+      return after.at(v);
+    };
+    for (Value* v : leaving) v->replaceAllUsesWith(value_after(v));
+    Node* previous = graph_.insertPoint()->prev();  // the last node made after the call
     for (Node* p : publishes) {
       if (p->isBefore(last)) {  // (publishes after `last` stay where they are)
-        p->moveAfter(after);
-        after = p;
+        p->moveAfter(previous);
+        previous = p;
       }
     }
     for (auto it = ops.rbegin(); it != ops.rend(); ++it) (*it)->destroy();

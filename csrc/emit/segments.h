@@ -16,13 +16,15 @@
 //     %s  = terra::segment(0, %l)               <- segment 0's body: the three ops
 //     %44 = prim::ListUnpack(%s)                <- only the values used after the stretch
 //
-// What a segment may hold, and why (each rule in fusible() / split_escaping_aliases()):
+// What a segment may hold, and why (each rule in fusible() / split_escaping_aliases() / replace()):
 // - aten ops with tensor results only, whose other arguments are constants: a compiled function
 //   is specialized to them (a Python number fed each iteration stays interpreted);
 // - no random ops: compiled code draws other numbers than eager's kernels;
-// - no op whose result aliases an argument (a view, an in-place op's return) if that result is
-//   used after the segment: compiled code returns new tensors, and a later in-place write
-//   through the view must reach the viewed tensor. Inside the segment views are fine.
+// - results used after the segment alias there what they alias in eager: the body returns the
+//   values it computes; an in-place op's result stands for its argument (written in place by
+//   the compiled code, or returned by the body), and a view (t(), view, ...) is made again after
+//   the call from what it views, so that an optimizer's later write through it reaches the
+//   parameter. Any other aliasing result used after the segment ends the segment there.
 // terra::publish ops between the stretch's ops (co-execution graphs publish every output) move
 // after the segment call: no other channel op is crossed, so nothing Python posts is waited
 // for before them, and a waiting Python only waits until the segment has run.

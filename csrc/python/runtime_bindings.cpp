@@ -29,6 +29,7 @@
 #include "runtime/channels.h"
 #include "runtime/direct_graph.h"
 #include "runtime/executor.h"
+#include "runtime/fused_executor.h"
 #include "runtime/graph_runner.h"
 #include "trace/case_assignment.h"
 #include "trace/replay.h"
@@ -183,15 +184,28 @@ runtime::TorchScriptMode parse_mode(const std::string& mode) {
   return mode == "interpreter" ? runtime::TorchScriptMode::kInterpreter : runtime::TorchScriptMode::kGraphExecutor;
 }
 
+// `feeds_ready`: every feed is posted before Python waits for anything (a Plan's scripts), so
+// segments may run across feeds (emit::SegmentOptions::feeds_ready).
+std::shared_ptr<runtime::Executor> make_executor(const std::shared_ptr<torch::jit::Graph>& graph, const std::string& mode,
+                                                 bool feeds_ready) {
+  if (mode == "fused") return std::make_shared<runtime::FusedExecutor>(graph, emit::SegmentOptions{.feeds_ready = feeds_ready});
+  return std::make_shared<runtime::TorchScriptExecutor>(graph, parse_mode(mode));
+}
+
 class PyGraphRunner {
  public:
   PyGraphRunner(const std::shared_ptr<torch::jit::Graph>& graph, std::shared_ptr<ConcurrentChannel> channel,
-                const std::string& mode) {
+                const std::string& mode, bool feeds_ready) {
     TORCH_CHECK(graph != nullptr, "terra_torch: GraphRunner needs a graph");
     if (!channel) channel = std::make_shared<ConcurrentChannel>();
-    runner_ = std::make_shared<GraphRunner>(std::make_unique<runtime::TorchScriptExecutor>(graph, parse_mode(mode)),
-                                            std::move(channel));
+    executor_ = make_executor(graph, mode, feeds_ready);
+    runner_ = std::make_shared<GraphRunner>(executor_, std::move(channel));
     live_runners().emplace(this, runner_);
+  }
+
+  // The executor when it is a FusedExecutor (mode "fused"), for its compiler; else None.
+  std::shared_ptr<runtime::FusedExecutor> fused() const {
+    return std::dynamic_pointer_cast<runtime::FusedExecutor>(executor_);
   }
 
   ~PyGraphRunner() {
@@ -234,6 +248,7 @@ class PyGraphRunner {
   }
 
  private:
+  std::shared_ptr<runtime::Executor> executor_;
   std::shared_ptr<GraphRunner> runner_;
 };
 
@@ -344,13 +359,16 @@ void init_runtime(py::module_& m) {
 
   py::class_<PyGraphRunner>(r, "GraphRunner")
       .def(py::init([](const Plan& plan, std::shared_ptr<ConcurrentChannel> channel, const std::string& mode) {
-             return std::make_unique<PyGraphRunner>(plan.graph(), std::move(channel), mode);
+             return std::make_unique<PyGraphRunner>(plan.graph(), std::move(channel), mode, /*feeds_ready=*/true);
            }),
            py::arg("plan"), py::arg("channel") = py::none(), py::arg("mode") = "interpreter")
       .def(py::init([](const std::shared_ptr<torch::jit::Graph>& graph, std::shared_ptr<ConcurrentChannel> channel,
-                       const std::string& mode) { return std::make_unique<PyGraphRunner>(graph, std::move(channel), mode); }),
+                       const std::string& mode) {
+             return std::make_unique<PyGraphRunner>(graph, std::move(channel), mode, /*feeds_ready=*/false);
+           }),
            py::arg("graph"), py::arg("channel") = py::none(), py::arg("mode") = "interpreter")
       .def_property_readonly("channel", [](PyGraphRunner& g) { return g.get().channel(); })
+      .def_property_readonly("fused", &PyGraphRunner::fused, "the FusedExecutor of mode 'fused' (else None)")
       .def("start_iteration", [](PyGraphRunner& g) { return g.get().start_iteration(); })
       .def("wait_iteration", &PyGraphRunner::wait_iteration, py::arg("timeout") = py::none(),
            "Wait for the oldest unwaited iteration; re-raise its error")

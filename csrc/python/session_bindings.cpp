@@ -13,6 +13,7 @@
 #include "python/program_views.h"
 #include "trace/case_assignment.h"
 #include "trace/dot.h"
+#include "runtime/fused_executor.h"
 #include "runtime/session.h"
 
 namespace py = pybind11;
@@ -88,15 +89,17 @@ std::string session_dot(const Session& s, const std::string& title) {
 void init_session(py::module_& m) {
   py::module_ r = m.attr("runtime").cast<py::module_>();
   py::class_<Session, std::shared_ptr<Session>>(r, "Session")
-      .def(py::init([](const std::string& mode, bool optimize) {
+      .def(py::init([](const std::string& mode, bool optimize, bool fused) {
              TORCH_CHECK(mode == "coexec" || mode == "lazy", "terra_torch: mode must be 'coexec' or 'lazy', got '",
                          mode, "'");
              runtime::SessionOptions o;
              o.drive = mode == "lazy" ? runtime::Drive::kLazy : runtime::Drive::kCoExec;
              o.optimize = optimize;
+             o.fused = fused;
              return std::make_shared<Session>(o);
            }),
-           py::arg("mode") = "coexec", py::arg("optimize") = false)
+           py::arg("mode") = "coexec", py::arg("optimize") = false, py::arg("fused") = false)
+      .def_property_readonly("fused", &Session::fused_executor, "the current graph's FusedExecutor, or None")
       .def("add", &Session::add, py::arg("region"), "Merge a closed region's trace; True if it was already covered")
       .def("build", &Session::build, "Generate the graph and start its runner")
       .def_property_readonly("has_runner", &Session::has_runner)

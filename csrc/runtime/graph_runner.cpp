@@ -52,7 +52,7 @@ std::exception_ptr with_iteration(std::exception_ptr error, int64_t it) {
 // Shared by the GraphRunner object and its worker, so that an abandoned (detached) worker
 // never touches freed memory.
 struct GraphRunner::State {
-  std::unique_ptr<Executor> executor;
+  std::shared_ptr<Executor> executor;  // (shared: a FusedExecutor is also its compiler's)
   std::shared_ptr<ConcurrentChannel> channel;
 
   mutable std::mutex mu;
@@ -109,7 +109,7 @@ struct GraphRunner::State {
   }
 };
 
-GraphRunner::GraphRunner(std::unique_ptr<Executor> executor, std::shared_ptr<ConcurrentChannel> channel)
+GraphRunner::GraphRunner(std::shared_ptr<Executor> executor, std::shared_ptr<ConcurrentChannel> channel)
     : channel_(std::move(channel)), state_(std::make_shared<State>()) {
   TORCH_CHECK(executor != nullptr && channel_ != nullptr, "terra_torch: GraphRunner needs an executor and a channel");
   state_->executor = std::move(executor);

@@ -38,7 +38,7 @@ struct RunnerStats {
 
 class GraphRunner {
  public:
-  GraphRunner(std::unique_ptr<Executor> executor, std::shared_ptr<ConcurrentChannel> channel);
+  GraphRunner(std::shared_ptr<Executor> executor, std::shared_ptr<ConcurrentChannel> channel);
   // shutdown(): cancels what is in flight and joins the worker.
   ~GraphRunner();
   GraphRunner(const GraphRunner&) = delete;

@@ -48,7 +48,8 @@ at::Tensor without_broadcast(const at::Tensor& t) {
 
 PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
                            const emit::EmittedGraph& emitted, Drive drive,
-                           const std::vector<std::vector<std::string>>* node_frames)
+                           const std::vector<std::vector<std::string>>* node_frames,
+                           std::shared_ptr<Executor> executor)
     : program_(program),
       node_frames_(node_frames),
       structured_(structured),
@@ -59,7 +60,8 @@ PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program&
       cursor_(structured) {
   channel_->attach_values(values_);
   channel_->use_streams(StreamSync::for_devices(program.devices()));
-  runner_ = std::make_unique<GraphRunner>(std::make_unique<TorchScriptExecutor>(emitted.graph), channel_);
+  if (!executor) executor = std::make_shared<TorchScriptExecutor>(emitted.graph);
+  runner_ = std::make_unique<GraphRunner>(std::move(executor), channel_);
 }
 
 PythonRunner::~PythonRunner() {

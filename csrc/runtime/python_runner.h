@@ -72,9 +72,11 @@ class PythonRunner final : public capture::CoExecHook {
   // `program`, `structured`, `emitted` and `node_frames` (per node, "file:line in function" of
   // its first record, for error messages) must outlive the runner (the Session owns them). The
   // runner adds to `program`'s check keys the ops the graph failed in.
+  // `executor`: what runs the graph (default: a TorchScriptExecutor of emitted.graph).
   PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
                const emit::EmittedGraph& emitted, Drive drive,
-               const std::vector<std::vector<std::string>>* node_frames = nullptr);
+               const std::vector<std::vector<std::string>>* node_frames = nullptr,
+               std::shared_ptr<Executor> executor = nullptr);
   ~PythonRunner() override;
 
   // ---- iteration boundaries (Python thread) ----

@@ -1,5 +1,7 @@
 #include "runtime/session.h"
 
+#include "runtime/fused_executor.h"
+
 #include <torch/csrc/jit/ir/ir.h>
 
 #include "common/clock.h"
@@ -66,7 +68,11 @@ void Session::build() {
   const std::vector<std::vector<trace::NodeId>> before = program_.all_record_nodes();
   emitted_ = emit::emit_program(program_, structured_, {.optimize = options_.optimize, .lint = true, .coexec = true});
   if (program_.all_record_nodes() != before) remap_node_frames(before);
-  runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive, &node_frames_);
+  fused_.reset();
+  // Co-execution: a feed waits for Python, who may wait for a value before it posts the feed,
+  // so segments end at feeds (emit::SegmentOptions::feeds_ready).
+  if (options_.fused) fused_ = std::make_shared<FusedExecutor>(emitted_->graph, emit::SegmentOptions{.feeds_ready = false});
+  runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive, &node_frames_, fused_);
   ++builds_;
 }
 

@@ -22,9 +22,14 @@
 
 namespace terra::runtime {
 
+class FusedExecutor;
+
 struct SessionOptions {
   Drive drive = Drive::kCoExec;
   bool optimize = false;  // TorchScript passes on the generated graph
+  // Straight-line stretches run compiled once compiled and checked (runtime/fused_executor.h):
+  // results within a tolerance of eager's, not bitwise.
+  bool fused = false;
 };
 
 class Session {
@@ -44,6 +49,8 @@ class Session {
   // runner is synchronized (its live placeholders get their values) and shut down first.
   void build();
   bool has_runner() const { return runner_ != nullptr; }
+  // The current graph's FusedExecutor (SessionOptions::fused), for its compiler; else null.
+  const std::shared_ptr<FusedExecutor>& fused_executor() const { return fused_; }
   PythonRunner& runner();
 
   // A co-execution region whose ops the runner validates; its graph iteration is started.
@@ -85,6 +92,7 @@ class Session {
   emit::CapturedProgram program_;
   std::optional<trace::Program> structured_;
   std::optional<emit::EmittedGraph> emitted_;
+  std::shared_ptr<FusedExecutor> fused_;  // runner_'s executor, when SessionOptions::fused
   std::unique_ptr<PythonRunner> runner_;  // points into structured_ and emitted_
   int64_t builds_ = 0;
   int64_t last_uncovered_ = -1;

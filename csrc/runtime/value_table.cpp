@@ -227,26 +227,33 @@ bool ValueTable::wait_published(int64_t count, std::chrono::nanoseconds slice) {
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() {
-  std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
+  // The entries are copied under the lock and their weak pointers locked after it: locking a
+  // TensorImpl's weak pointer may take the GIL (its Python object), and a Python thread holding
+  // the GIL may be waiting for this lock (materialize -> published()).
+  std::vector<std::pair<int64_t, Entry>> candidates;
   {
     const PythonLock lock(*this);
     entries_.for_each([&](int64_t index, const Entry& e) {
-      if (!e.published || !e.holder || !e.value.defined()) return;
-      if (auto impl = e.holder->lock()) {
-        found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
-        return;
-      }
-      if (!e.storage) return;
-      auto storage = e.storage->lock();
-      if (!storage) return;
-      // Only a storage is left: a plain tensor of the same layout over it receives the value.
-      at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
-          c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, e.options.device())),
-          e.options.dtype());
-      view.unsafeGetTensorImpl()->set_sizes_and_strides(e.sizes, e.strides, e.storage_offset);
-      found.push_back({index, {std::move(view), e.value}});
+      if (e.published && e.holder && e.value.defined()) candidates.emplace_back(index, e);
     });
   }
+  std::vector<std::pair<int64_t, std::pair<at::Tensor, at::Tensor>>> found;
+  for (auto& [index, e] : candidates) {
+    if (auto impl = e.holder->lock()) {
+      found.push_back({index, {at::Tensor(std::move(impl)), e.value}});
+      continue;
+    }
+    if (!e.storage) continue;
+    auto storage = e.storage->lock();
+    if (!storage) continue;
+    // Only a storage is left: a plain tensor of the same layout over it receives the value.
+    at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, e.options.device())),
+        e.options.dtype());
+    view.unsafeGetTensorImpl()->set_sizes_and_strides(e.sizes, e.strides, e.storage_offset);
+    found.push_back({index, {std::move(view), e.value}});
+  }
+  candidates.clear();  // (their values die here, without the lock)
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<std::pair<at::Tensor, at::Tensor>> out;
   out.reserve(found.size());

@@ -1,0 +1,205 @@
+"""Compiled segments (csrc/emit/segments.h, csrc/runtime/fused_executor.h, terra_torch/_fused.py).
+
+Eager is the oracle. Interpreted segments run eager's kernels, so until a segment is compiled
+the cut graph must give eager's numbers bit for bit (the cut must keep every alias: an SGD step
+writes parameters through the t() views linear's backward made). Compiled segments are checked
+against the interpreter on their first run and must then stay within the stated tolerance.
+Compiling costs about 20 s per segment on a 2-core machine, so only two tests compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import terra_torch
+from terra_torch import _fused, graph
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(n)]
+
+
+def _recorded_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return graph.record(step)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
+    # Graph side: the recorded step replayed three times with mode="fused" and nothing compiled.
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    (x, y), = _data(1)
+    rec = _recorded_step(model, opt, x, y)
+    F.cross_entropy(eager_model(x), y).backward()
+    eager_opt.step()
+    g = graph.build([rec])
+    assert "terra::segment" in g._graph.fused.text
+    for _ in range(3):
+        out = g.run(rec, mode="fused")
+        eager_opt.zero_grad()
+        loss = F.cross_entropy(eager_model(x), y)
+        loss.backward()
+        eager_opt.step()
+        assert torch.equal(out.outputs[0], loss.detach())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p, q)  # written through the views, as eager writes them
+    report = g.segments
+    assert report and all(s["state"] == "requested" for s in report)
+    assert sum(s["ops"] for s in report) >= 20  # forward, backward and the step in few segments
+
+
+def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    (x, y), = _data(1)
+    rec = _recorded_step(model, opt, x, y)
+    F.cross_entropy(eager_model(x), y).backward()
+    eager_opt.step()
+
+    def eager_step() -> torch.Tensor:
+        eager_opt.zero_grad()
+        loss = F.cross_entropy(eager_model(x), y)
+        loss.backward()
+        eager_opt.step()
+        return loss.detach()
+
+    g = graph.build([rec])
+    g.run(rec, mode="fused")  # interpreted; requests compiling
+    eager_step()
+    report = g.compile_segments()
+    assert all(s["state"] == "loaded" for s in report), report
+    tol = dict(rtol=1e-3, atol=1e-5)
+    for k in range(4):  # the first is the check, the others run compiled code
+        out = g.run(rec, mode="fused")
+        loss = eager_step()
+        torch.testing.assert_close(out.outputs[0], loss, **tol)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q, **tol)
+    report = g.segments
+    assert all(s["state"] == "trusted" for s in report), report
+    assert all(s["compiled_runs"] == 3 for s in report)
+    assert 0.0 <= max(s["max_difference"] for s in report) < 1e-4
+
+    # The packages are kept: another graph of the same program loads them instead of compiling.
+    g2 = graph.build([rec])
+    g2.run(rec, mode="fused")
+    t0 = time.perf_counter()
+    g2.compile_segments()
+    assert time.perf_counter() - t0 < 5.0
+    assert all(s["state"] == "loaded" for s in g2.segments)
+
+
+def test_compiled_code_that_disagrees_is_rejected() -> None:
+    # Hand the executor code compiled from a body whose SGD step size is doubled: the check on
+    # its first run must refuse it, and the results must stay the interpreter's (eager's).
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    (x, y), = _data(1)
+    rec = _recorded_step(model, opt, x, y)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    executor = g._graph.fused
+    segment, body, plan = max((r for r in iter(lambda: executor.next_request(0.0), None)),
+                              key=lambda r: len(r[1]["nodes"]))
+    wrong = copy.deepcopy(body)
+    changed = 0
+    for name, _, args, _ in wrong["nodes"]:
+        for i, (kind, v) in enumerate(args):
+            if name == "aten::add_" and kind == "c" and isinstance(v, float):
+                args[i] = ("c", 2 * v)
+                changed += 1
+    assert changed >= 1
+    wrong["text"] += "# changed"
+    path, _ = _fused.compile_segment(wrong, plan)
+    executor.compiled(segment, path)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = g.run(rec, mode="fused")
+    state = g.segments[segment]
+    assert state["state"] == "interpreted"
+    assert "differ" in state["reason"] and state["max_difference"] > 1e-4
+    # What the run returned and wrote is the interpreter's: eager's step from `before`.
+    with torch.no_grad():
+        for p, b in zip(eager_model.parameters(), before):
+            p.copy_(b)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    loss = F.cross_entropy(eager_model(x), y)
+    loss.backward()
+    eager_opt.step()
+    assert torch.equal(out.outputs[0], loss.detach())
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypatch) -> None:
+    # Co-execution cuts a graph with publishes and gates; every segment's compile fails here, so
+    # everything runs interpreted and must be eager's bit for bit, with the reason in explain().
+    def failing(body, plan):
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(_fused, "compile_segment", failing)
+    data = _data(4)
+
+    def train(model, steps):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for i in range(steps):
+            x, y = data[i % len(data)]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    eager_model = _mlp()
+    expected = train(eager_model, 60)
+    net = _mlp()
+    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
+    got = train(wrapped, 60)
+    terra_torch.synchronize()
+    assert got == expected
+    for p, q in zip(net.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+    deadline = time.monotonic() + 30  # the compiler thread gets to every request
+    while True:
+        explanation = terra_torch.explain(wrapped)
+        segments = explanation.segments
+        assert segments, "co-execution graph was cut into no segments"
+        if all(s["state"] == "interpreted" for s in segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert explanation.phases["iterations"]["coexec"] >= 50
+    assert all(s["state"] == "interpreted" and "no compiler in this test" in s["reason"] for s in segments), segments
+    assert "stays interpreted: compiling failed" in str(explanation)
+
+
+def test_optimize_must_be_a_known_value() -> None:
+    with pytest.raises(ValueError, match="optimize must be False, True or 'fused'"):
+        terra_torch.wrap(_mlp(), optimize="fast")
