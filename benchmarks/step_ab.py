@@ -10,7 +10,9 @@ A variant is a runner (`eager` or `terra`) with optional environment settings:
     python -m benchmarks.step_ab --programs branches,materialize,mutation \\
         --variants eager,terra,terra:TERRA_EARLY_BATCHES=0 --reps 5 --steps 800
 
-Terra variants run with the speed check off (TERRA_SPEED_CHECK=0): they compare co-execution
+`terra:TERRA_AB_OPTIMIZE=fused` wraps with optimize="fused" and, after the warm-up, runs on until
+every compiled segment is checked (docs/RUNTIME.md, "Compiled segments"; set TERRA_CACHE_DIR to a
+directory a previous run filled to time a warm start). Terra variants run with the speed check off (TERRA_SPEED_CHECK=0): they compare co-execution
 policies, not the check's choice. A program marked TERRA_ITERATION = "step" is wrapped with
 terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
@@ -30,23 +32,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
 torch.set_num_threads(1)
 from benchmarks.harness.runtime import Runtime, load_program
 name, runner, warmup, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 mod = load_program(name)
 per_step = getattr(mod, "TERRA_ITERATION", "model") == "step"
+optimize = "fused" if os.environ.get("TERRA_AB_OPTIMIZE") == "fused" else False
+wrapped = []
 if runner == "terra":
     import terra_torch
 def wrap(model, example_inputs):
     if runner == "terra" and not per_step:
-        return terra_torch.wrap(model, speed_check=False)
+        wrapped.append(terra_torch.wrap(model, speed_check=False, optimize=optimize))
+        return wrapped[-1]
     return model
 state = mod.build(0, Runtime("cpu", wrap))
-step = terra_torch.function(mod.step, speed_check=False) if runner == "terra" and per_step else mod.step
+if runner == "terra" and per_step:
+    step = terra_torch.function(mod.step, speed_check=False, optimize=optimize)
+    wrapped.append(step)
+else:
+    step = mod.step
 for i in range(warmup):
     step(state, i)
+compile_wait_s = 0.0
+if optimize:  # run on until every segment is compiled and checked (or stays interpreted)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < float(os.environ.get("TERRA_AB_COMPILE_S", "1200")):
+        segs = [s for w in wrapped for s in (terra_torch.explain(w).segments or [])]
+        if segs and all(s["state"] in ("trusted", "interpreted") for s in segs):
+            break
+        for i in range(warmup, warmup + 20):
+            step(state, i)
+    compile_wait_s = time.perf_counter() - t0
 if runner == "terra":
     terra_torch.synchronize()
 t0, c0 = time.perf_counter(), time.thread_time()
@@ -54,7 +73,13 @@ for i in range(warmup, warmup + steps):
     step(state, i)
 if runner == "terra":
     terra_torch.synchronize()
-print(json.dumps({"ms": (time.perf_counter() - t0) / steps * 1e3, "cpu_ms": (time.thread_time() - c0) / steps * 1e3}))
+out = {"ms": (time.perf_counter() - t0) / steps * 1e3, "cpu_ms": (time.thread_time() - c0) / steps * 1e3}
+if optimize:
+    segs = [s for w in wrapped for s in (terra_torch.explain(w).segments or [])]
+    out.update(compile_wait_s=compile_wait_s, segments=len(segs),
+               trusted=sum(s["state"] == "trusted" for s in segs),
+               compiled_runs=sum(s["compiled_runs"] for s in segs))
+print(json.dumps(out))
 """
 
 
@@ -100,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             ms = [c["ms"] for c in cells[(program, variant)]]
             ratio = f"{statistics.median(eager) / statistics.median(ms):7.2f}x" if eager else "       -"
+            extra = ""
+            if "segments" in cells[(program, variant)][-1]:
+                last = cells[(program, variant)][-1]
+                extra = (f"  [{last['trusted']} of {last['segments']} segments compiled, "
+                         f"compile wait {statistics.median(c['compile_wait_s'] for c in cells[(program, variant)]):.1f} s]")
             print(f"{program:12s} {variant:34s} {statistics.median(ms):8.3f} {ratio}  "
-                  f"({', '.join('%.3f' % m for m in ms)})")
+                  f"({', '.join('%.3f' % m for m in ms)}){extra}")
     return 0
 
 

@@ -27,6 +27,9 @@ import hashlib
 import logging
 import operator
 import os
+import pickle
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -126,16 +129,52 @@ def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[s
     return str(path), False
 
 
-def compile_one(executor: Any, wait_s: float, stop: threading.Event | None = None) -> bool:
+def compile_in_subprocess(body: dict[str, Any], plan: dict[str, list[Any]],
+                          stop: threading.Event | None = None) -> tuple[str, bool]:
+    """compile_segment() in a child Python process. The compiler thread of a co-executed program
+    uses this: torch.export traces with FX, which replaces torch.nn.Module.__call__ process-wide
+    while it traces, so a model called meanwhile on the training thread failed ("module is not
+    installed as a submodule"); and export and code generation would hold the training process's
+    GIL for seconds. `stop` set: the child is killed and RuntimeError raised."""
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{package_key(body, plan)}.pt2"
+    if path.exists():
+        return str(path), True
+    fd, request = tempfile.mkstemp(suffix=".request", dir=directory)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((body, plan), f)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "terra_torch._fused", request],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while child.poll() is None:
+            if stop is not None and stop.wait(0.2):
+                child.kill()
+                child.wait()
+                raise RuntimeError("stopped")
+            elif stop is None:
+                time.sleep(0.2)
+        err = child.stderr.read() if child.stderr else ""
+        if child.returncode != 0:
+            lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+            raise RuntimeError(lines[-1] if lines else f"the compiler process exited with {child.returncode}")
+    finally:
+        os.unlink(request)
+    return str(path), False
+
+
+def compile_one(executor: Any, wait_s: float, stop: threading.Event | None = None,
+                isolated: bool = False) -> bool:
     """Compiles one requested segment (waiting up to wait_s for a request); False if none came.
-    Once `stop` is set nothing more is handed to the executor."""
+    `isolated`: in a child process (compile_in_subprocess). Once `stop` is set nothing more is
+    handed to the executor."""
     request = executor.next_request(wait_s)
     if request is None:
         return False
     segment, body, plan = request
     t0 = time.perf_counter()
     try:
-        path, cached = compile_segment(body, plan)
+        path, cached = compile_in_subprocess(body, plan, stop) if isolated else compile_segment(body, plan)
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the segment interpreted
         reason = f"compiling failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.info("terra_torch: segment %d (%d ops) stays interpreted: %s", segment, len(body["nodes"]), reason)
@@ -163,13 +202,12 @@ def _stop_all() -> None:
 
 
 class SegmentCompiler:
-    """A daemon thread that compiles the segments an executor's runs request, one at a time.
+    """A daemon thread that has the segments an executor's runs request compiled, one at a time,
+    each in a child process (compile_in_subprocess).
 
     `source()` returns the executor to serve now (a co-executed program gets a new one with each
     graph it builds), None when there is none yet, or raises LookupError when its program is
-    gone (the thread then ends). Compiling holds the GIL for export and code generation (seconds
-    per segment) and runs the C++ compiler in a subprocess; the training loop goes on
-    meanwhile, on interpreted segments."""
+    gone (the thread then ends). The training loop goes on meanwhile, on interpreted segments."""
 
     def __init__(self, source: Callable[[], Any], poll_s: float = 0.2) -> None:
         self._source = source
@@ -188,8 +226,22 @@ class SegmentCompiler:
             if executor is None:
                 self._stop.wait(self._poll_s)
             else:
-                compile_one(executor, self._poll_s, self._stop)
+                compile_one(executor, self._poll_s, self._stop, isolated=True)
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+
+def _main(argv: list[str]) -> int:
+    """The child of compile_in_subprocess: python -m terra_torch._fused REQUEST (a pickle of
+    (body, plan)); writes the package into the cache, exits non-zero with the error on stderr."""
+    with open(argv[0], "rb") as f:
+        body, plan = pickle.load(f)
+    torch.set_num_threads(1)
+    compile_segment(body, plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -160,10 +160,10 @@ def test_compiled_code_that_disagrees_is_rejected() -> None:
 def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypatch) -> None:
     # Co-execution cuts a graph with publishes and gates; every segment's compile fails here, so
     # everything runs interpreted and must be eager's bit for bit, with the reason in explain().
-    def failing(body, plan):
+    def failing(body, plan, stop=None):
         raise RuntimeError("no compiler in this test")
 
-    monkeypatch.setattr(_fused, "compile_segment", failing)
+    monkeypatch.setattr(_fused, "compile_in_subprocess", failing)
     data = _data(4)
 
     def train(model, steps):
@@ -203,3 +203,47 @@ def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypat
 def test_optimize_must_be_a_known_value() -> None:
     with pytest.raises(ValueError, match="optimize must be False, True or 'fused'"):
         terra_torch.wrap(_mlp(), optimize="fast")
+
+
+def test_coexecution_runs_compiled_segments_within_tolerance() -> None:
+    # The whole path: the background compiler (a child process per segment) compiles while the
+    # program co-executes; once every segment is checked, steps run compiled code and stay
+    # within the tolerance of eager's.
+    torch.manual_seed(0)
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    x = torch.randn(6, 8)
+    y = torch.randint(0, 2, (6,))
+    eager_model, net = make(), make()
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
+
+    def step(model, optimizer) -> float:
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    deadline = time.monotonic() + 600
+    steps = 0
+    while True:
+        for _ in range(20):
+            torch.testing.assert_close(step(wrapped, opt), step(eager_model, eager_opt), rtol=1e-3, atol=1e-5)
+            steps += 1
+        segments = terra_torch.explain(wrapped).segments or []
+        if segments and all(s["state"] in ("trusted", "interpreted") for s in segments):
+            break
+        assert time.monotonic() < deadline, segments
+    before = sum(s["compiled_runs"] for s in segments)
+    for _ in range(30):
+        torch.testing.assert_close(step(wrapped, opt), step(eager_model, eager_opt), rtol=1e-3, atol=1e-5)
+    terra_torch.synchronize()
+    for p, q in zip(net.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+    segments = terra_torch.explain(wrapped).segments
+    assert [s for s in segments if s["state"] == "trusted"], segments
+    assert sum(s["compiled_runs"] for s in segments) >= before + 30
