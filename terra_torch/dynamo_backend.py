@@ -120,6 +120,11 @@ def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
             f"(torch.compile's own modes such as 'max-autotune' are Inductor's)")
     flags = {name: merged.get(name, OPTION_DEFAULTS[name]) for name in ("optimize", "overlap")}
     for name, value in flags.items():
+        if name == "optimize" and value == "fused":
+            raise TerraBackendOptionError(
+                "terra backend: optimize='fused' (compiled segments) is not supported by the torch.compile "
+                "backend yet; terra_torch.wrap(model, optimize='fused') and terra_torch.function(step, "
+                "optimize='fused') are (docs/RUNTIME.md, \"Compiled segments\")")
         if not isinstance(value, bool):
             raise TerraBackendOptionError(f"terra backend: {name} must be a bool, got {value!r}")
     return TerraOptions(mode=mode, **flags)

@@ -343,6 +343,7 @@ def test_unknown_option_is_rejected_with_the_allowed_ones():
     ({"options": {"mode": "fast"}}, "mode must be one of 'graph', 'coexec', 'lazy'"),
     ({"mode": "max-autotune"}, "mode must be one of"),  # torch.compile(mode=...) arrives as `mode`
     ({"options": {"optimize": "yes"}}, "optimize must be a bool"),
+    ({"options": {"optimize": "fused"}}, "not supported by the torch.compile backend yet"),
     ({"options": {"overlap": 1}}, "overlap must be a bool"),
     ({"options": {"mode": "lazy"}, "mode": "coexec"}, "given twice"),
     ({"optimise": True}, "unknown option"),

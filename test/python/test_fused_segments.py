@@ -41,13 +41,9 @@ def _recorded_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.
     return graph.record(step)
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
-    # Graph side: the recorded step replayed three times with mode="fused" and nothing compiled.
+def _recorded_with_eager_twin():
+    """A recorded SGD step of an MLP, and an eager copy of the model that has taken the same step
+    (the recording ran one): (model, recording, eager model, its optimizer, x, y)."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     eager_model = copy.deepcopy(model)
@@ -56,6 +52,17 @@ def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
     rec = _recorded_step(model, opt, x, y)
     F.cross_entropy(eager_model(x), y).backward()
     eager_opt.step()
+    return model, rec, eager_model, eager_opt, x, y
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
+    # Graph side: the recorded step replayed three times with mode="fused" and nothing compiled.
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
     g = graph.build([rec])
     assert "terra::segment" in g._graph.fused.text
     for _ in range(3):
@@ -73,14 +80,7 @@ def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
 
 
 def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    eager_model = copy.deepcopy(model)
-    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
-    (x, y), = _data(1)
-    rec = _recorded_step(model, opt, x, y)
-    F.cross_entropy(eager_model(x), y).backward()
-    eager_opt.step()
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
 
     def eager_step() -> torch.Tensor:
         eager_opt.zero_grad()
