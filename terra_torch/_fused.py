@@ -104,13 +104,19 @@ def package_key(body: dict[str, Any], plan: dict[str, list[Any]]) -> str:
     return h.hexdigest()[:32]
 
 
-def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[str, bool]:
-    """Path of the segment's AOTInductor package, and whether it came from the cache."""
+def package_path(body: dict[str, Any], plan: dict[str, list[Any]]) -> Path:
+    """Where the segment's package is (or will be) in the cache; the directory exists."""
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{package_key(body, plan)}.pt2"
+    return directory / f"{package_key(body, plan)}.pt2"
+
+
+def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[str, bool]:
+    """Path of the segment's AOTInductor package, and whether it came from the cache."""
+    path = package_path(body, plan)
     if path.exists():
         return str(path), True
+    directory = path.parent
     module = build_module(body, plan)
     with torch.no_grad():
         exported = torch.export.export(module, example_arguments(plan), strict=False)
@@ -136,30 +142,32 @@ def compile_in_subprocess(body: dict[str, Any], plan: dict[str, list[Any]],
     while it traces, so a model called meanwhile on the training thread failed ("module is not
     installed as a submodule"); and export and code generation would hold the training process's
     GIL for seconds. `stop` set: the child is killed and RuntimeError raised."""
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{package_key(body, plan)}.pt2"
+    path = package_path(body, plan)
     if path.exists():
         return str(path), True
+    directory = path.parent
     fd, request = tempfile.mkstemp(suffix=".request", dir=directory)
     with os.fdopen(fd, "wb") as f:
         pickle.dump((body, plan), f)
-    try:
-        child = subprocess.Popen([sys.executable, "-m", "terra_torch._fused", request],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        while child.poll() is None:
-            if stop is not None and stop.wait(0.2):
-                child.kill()
-                child.wait()
-                raise RuntimeError("stopped")
-            elif stop is None:
-                time.sleep(0.2)
-        err = child.stderr.read() if child.stderr else ""
+    # (stderr to a file, not a pipe: a child writing more warnings than a pipe holds would block)
+    with tempfile.TemporaryFile("w+", dir=directory) as errors:
+        try:
+            child = subprocess.Popen([sys.executable, "-m", "terra_torch._fused", request],
+                                     stdout=subprocess.DEVNULL, stderr=errors)
+            while child.poll() is None:
+                if stop is not None and stop.wait(0.2):
+                    child.kill()
+                    child.wait()
+                    raise RuntimeError("stopped")
+                elif stop is None:
+                    time.sleep(0.2)
+        finally:
+            os.unlink(request)
+        errors.seek(0)
+        err = errors.read()
         if child.returncode != 0:
             lines = [ln for ln in err.strip().splitlines() if ln.strip()]
             raise RuntimeError(lines[-1] if lines else f"the compiler process exited with {child.returncode}")
-    finally:
-        os.unlink(request)
     return str(path), False
 
 
