@@ -154,13 +154,12 @@ def compile_in_subprocess(body: dict[str, Any], plan: dict[str, list[Any]],
         try:
             child = subprocess.Popen([sys.executable, "-m", "terra_torch._fused", request],
                                      stdout=subprocess.DEVNULL, stderr=errors)
+            stopping = stop if stop is not None else threading.Event()  # (never set: a plain wait)
             while child.poll() is None:
-                if stop is not None and stop.wait(0.2):
+                if stopping.wait(0.2):
                     child.kill()
                     child.wait()
                     raise RuntimeError("stopped")
-                elif stop is None:
-                    time.sleep(0.2)
         finally:
             os.unlink(request)
         errors.seek(0)

@@ -15,6 +15,7 @@
 
 #include "capture/meta_functions.h"
 #include "capture/placeholder.h"
+#include "capture/schema_aliases.h"
 #include "capture/terra_key.h"
 
 namespace terra::capture {
@@ -129,18 +130,6 @@ c10::Device output_device(const c10::FunctionSchema& schema, c10::ArrayRef<c10::
   return c10::Device(c10::kCPU);
 }
 
-// Which argument a return aliases (schema alias sets), and whether it writes through it.
-std::optional<std::pair<int, bool>> aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
-  const c10::AliasInfo* info = schema.returns()[ret].alias_info();
-  if (info == nullptr) return std::nullopt;
-  for (size_t a = 0; a < schema.arguments().size(); ++a) {
-    const c10::AliasInfo* arg_info = schema.arguments()[a].alias_info();
-    if (arg_info != nullptr && arg_info->beforeSets() == info->beforeSets())
-      return std::make_pair(static_cast<int>(a), info->isWrite());
-  }
-  return std::nullopt;
-}
-
 InferredOutputs cannot_infer(const c10::OperatorHandle& op, const std::string& why) {
   InferredOutputs result;
   result.needs_materialization = true;
@@ -199,8 +188,8 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
       out.meta.device = device;
       out.meta.requires_grad = false;  // autograd, above us, decides
       if (alias) {
-        out.kind = alias->second ? OutputSpec::Kind::SameAsArgument : OutputSpec::Kind::ViewOfArgument;
-        out.argument = alias->first;
+        out.kind = alias->written ? OutputSpec::Kind::SameAsArgument : OutputSpec::Kind::ViewOfArgument;
+        out.argument = static_cast<int>(alias->argument);
       }
       return out;
     };

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "capture/schema_aliases.h"
 #include "emit/channel.h"
 
 namespace terra::emit {
@@ -40,6 +41,7 @@ bool fusible(const Node* n) {
   return op.has_value() && !op->hasTag(at::Tag::nondeterministic_seeded);
 }
 
+// (Any alias annotation counts, a wildcard one too: such a result is never a fresh tensor.)
 bool aliases_an_argument(const Node* n, size_t output) {
   const c10::FunctionSchema& schema = n->schema();
   return output < schema.returns().size() && schema.returns()[output].alias_info() != nullptr;
@@ -68,28 +70,11 @@ bool used_outside(const Value* v, const std::unordered_set<const Node*>& inside)
   return false;
 }
 
-// An op that only makes views: each result aliases an argument and it writes none.
-bool pure_view(const Node* n) {
-  const c10::FunctionSchema& schema = n->schema();
-  for (const c10::Argument& a : schema.arguments()) {
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return false;
-  }
-  for (const c10::Argument& r : schema.returns()) {
-    if (r.alias_info() == nullptr) return false;
-  }
-  return true;
-}
-
 // The argument an in-place op's result `k` is (`Tensor(a!) self -> Tensor(a!)`), or nullopt.
 std::optional<size_t> returned_argument(const Node* n, size_t k) {
-  const c10::FunctionSchema& schema = n->schema();
-  if (k >= schema.returns().size() || schema.returns()[k].alias_info() == nullptr) return std::nullopt;
-  const c10::AliasInfo& result = *schema.returns()[k].alias_info();
-  for (size_t j = 0; j < schema.arguments().size() && j < n->inputs().size(); ++j) {
-    const c10::AliasInfo* arg = schema.arguments()[j].alias_info();
-    if (arg != nullptr && arg->isWrite() && arg->beforeSets() == result.beforeSets()) return j;
-  }
-  return std::nullopt;
+  const auto alias = capture::aliased_argument(n->schema(), k);
+  if (!alias || !alias->written || alias->argument >= n->inputs().size()) return std::nullopt;
+  return alias->argument;
 }
 
 // Makes `ops` safe to compile and appends the parts to `out`. An aliasing result used after the
@@ -103,7 +88,7 @@ void split_escaping_aliases(std::vector<Node*> ops, std::vector<std::vector<Node
   for (size_t i = 0; i < ops.size(); ++i) {
     for (size_t k = 0; k < ops[i]->outputs().size(); ++k) {
       if (!aliases_an_argument(ops[i], k) || !used_outside(ops[i]->output(k), inside)) continue;
-      if (returned_argument(ops[i], k) || pure_view(ops[i])) continue;
+      if (returned_argument(ops[i], k) || capture::makes_views_only(ops[i]->schema())) continue;
       split_escaping_aliases({ops.begin(), ops.begin() + i}, out);
       split_escaping_aliases({ops.begin() + i + 1, ops.end()}, out);
       return;

@@ -7,9 +7,10 @@
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <torch/library.h>
 
+#include "capture/schema_aliases.h"
+
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <sstream>
 #include <unordered_map>
 #include <variant>
@@ -51,21 +52,19 @@ std::vector<at::Tensor> segment_kernel(int64_t index, std::vector<at::Tensor> in
 // Which body inputs the body may write: directly, or through a view it made of them.
 std::vector<bool> written_inputs(const torch::jit::Graph& body) {
   std::vector<bool> written(body.inputs().size(), false);
-  std::unordered_map<const torch::jit::Value*, size_t> root;
+  std::unordered_map<const torch::jit::Value*, size_t> root;  // a value -> the input it aliases
   for (size_t i = 0; i < body.inputs().size(); ++i) root.emplace(body.inputs()[i], i);
   for (const torch::jit::Node* n : body.nodes()) {
     const c10::FunctionSchema* schema = n->maybeSchema();
     if (schema == nullptr) continue;
-    std::optional<size_t> aliased;  // the input an aliasing result views
-    for (size_t j = 0; j < n->inputs().size() && j < schema->arguments().size(); ++j) {
-      const c10::AliasInfo* info = schema->arguments()[j].alias_info();
+    for (size_t j = 0; j < n->inputs().size(); ++j) {
       auto it = root.find(n->input(j));
-      if (info == nullptr || it == root.end()) continue;
-      if (info->isWrite()) written[it->second] = true;
-      if (!aliased) aliased = it->second;
+      if (it != root.end() && capture::writes_argument(*schema, j)) written[it->second] = true;
     }
-    for (size_t k = 0; k < n->outputs().size() && k < schema->returns().size(); ++k) {
-      if (aliased && schema->returns()[k].alias_info() != nullptr) root.emplace(n->output(k), *aliased);
+    for (size_t k = 0; k < n->outputs().size(); ++k) {
+      const auto alias = capture::aliased_argument(*schema, k);
+      if (!alias || alias->argument >= n->inputs().size()) continue;
+      if (auto it = root.find(n->input(alias->argument)); it != root.end()) root.emplace(n->output(k), it->second);
     }
   }
   return written;
@@ -108,6 +107,43 @@ std::variant<CallPlan, std::string> plan_of(const std::vector<at::Tensor>& input
     }
   }
   return plan;
+}
+
+// Whether plan_of(inputs) would be `plan`, checked in place: the steady path of every compiled
+// run, which should not build a plan (two vectors per input) only to compare it. The inputs fit
+// when each direct input has its layout, each view input lies over its base's memory with its
+// geometry, and no memory is shared that the plan does not share: a base's memory by anything
+// else, or a written direct input's by another input.
+bool fits(const CallPlan& plan, const std::vector<at::Tensor>& inputs, const std::vector<bool>& written) {
+  if (inputs.size() != plan.direct.size() + plan.views.size()) return false;
+  for (const CallPlan::Direct& d : plan.direct) {
+    const at::Tensor& t = inputs[d.input];
+    if (t.sizes() != c10::IntArrayRef(d.layout.sizes) || t.strides() != c10::IntArrayRef(d.layout.strides) ||
+        t.scalar_type() != d.layout.dtype || t.device() != d.layout.device)
+      return false;
+  }
+  for (const CallPlan::View& v : plan.views) {
+    const at::Tensor& t = inputs[v.input];
+    const CallPlan::Base& b = plan.bases[v.base];
+    const at::Tensor& first = inputs[b.first_input];
+    if (!t.has_storage() || !first.has_storage() || !t.storage().is_alias_of(first.storage()) ||
+        t.scalar_type() != b.dtype || t.device() != b.device ||
+        static_cast<int64_t>(t.storage().nbytes()) != b.numel * static_cast<int64_t>(t.element_size()) ||
+        t.sizes() != c10::IntArrayRef(v.sizes) || t.strides() != c10::IntArrayRef(v.strides) ||
+        t.storage_offset() != v.offset)
+      return false;
+  }
+  // (storage, shared only if allowed): bases and written direct inputs may share with nothing.
+  c10::SmallVector<std::pair<const c10::StorageImpl*, bool>, 16> memory;
+  for (const CallPlan::Direct& d : plan.direct) {
+    if (inputs[d.input].has_storage()) memory.emplace_back(inputs[d.input].storage().unsafeGetStorageImpl(), !written[d.input]);
+  }
+  for (const CallPlan::Base& b : plan.bases) memory.emplace_back(inputs[b.first_input].storage().unsafeGetStorageImpl(), false);
+  std::sort(memory.begin(), memory.end());
+  for (size_t i = 1; i < memory.size(); ++i) {
+    if (memory[i].first == memory[i - 1].first && !(memory[i].second && memory[i - 1].second)) return false;
+  }
+  return true;
 }
 
 // The compiled function's arguments: the direct inputs, then a flat view over each base's memory.
@@ -218,9 +254,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
     return s.interpret(inputs);
   }
   if (state != State::kTrusted && state != State::kLoaded) return s.interpret(inputs);
-  const std::variant<CallPlan, std::string> plan = plan_of(inputs, s.written);
-  const CallPlan* same = std::get_if<CallPlan>(&plan);
-  if (same == nullptr || !(*same == s.plan)) return s.interpret(inputs);  // (another batch size: later)
+  if (!fits(s.plan, inputs, s.written)) return s.interpret(inputs);  // (another batch size: later)
   if (state == State::kTrusted) {
     s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
     return loader->run(call_arguments(s.plan, inputs));
@@ -263,20 +297,18 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
 
 std::optional<CompileRequest> FusedExecutor::next_request(std::chrono::nanoseconds wait) {
   std::unique_lock lock(impl_->mu);
-  auto pending = [&]() -> SegmentState* {
-    for (auto& s : impl_->segments) {
-      if (s->state == State::kRequested) return s.get();
+  auto pending = [&]() -> std::optional<size_t> {
+    for (size_t i = 0; i < impl_->segments.size(); ++i) {
+      if (impl_->segments[i]->state == State::kRequested) return i;
     }
-    return nullptr;
+    return std::nullopt;
   };
-  impl_->requested.wait_for(lock, wait, [&] { return pending() != nullptr; });
-  SegmentState* s = pending();
-  if (s == nullptr) return std::nullopt;
-  s->state = State::kCompiling;
-  const size_t index = static_cast<size_t>(std::find_if(impl_->segments.begin(), impl_->segments.end(),
-                                                        [&](const auto& p) { return p.get() == s; }) -
-                                           impl_->segments.begin());
-  return CompileRequest{index, s->segment.body, s->plan};
+  impl_->requested.wait_for(lock, wait, [&] { return pending().has_value(); });
+  const std::optional<size_t> index = pending();
+  if (!index) return std::nullopt;
+  SegmentState& s = *impl_->segments[*index];
+  s.state = State::kCompiling;
+  return CompileRequest{*index, s.segment.body, s.plan};
 }
 
 void FusedExecutor::compiled(size_t index, const std::string& package_path) {
