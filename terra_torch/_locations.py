@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import dis
+import hashlib
 import os
 from types import CodeType
 
@@ -104,6 +105,21 @@ def guarded_ranges(code: CodeType) -> list[tuple[int, int]]:
     return sorted((e.start, e.end) for e in entries if _catches(instructions, at, e.target))
 
 
-def code_facts(code: CodeType) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """What the location tracker caches per code object: its loops and its guarded ranges."""
-    return loop_ranges(code), guarded_ranges(code)
+def code_identity(code: CodeType) -> int:
+    """A 63-bit name for `code` that is the same in every process running the same source: its
+    file, qualified name, first line, names and bytecode. Location ids are built from it instead
+    of the code object's address, so that a program's traces mean the same after a restart
+    (warm start, terra_torch/_warm_start.py). Constants are left out: a nested function's code
+    object among them prints its address."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in (code.co_filename, code.co_qualname, str(code.co_firstlineno), "\0".join(code.co_names)):
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    h.update(code.co_code)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def code_facts(code: CodeType) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    """What the location tracker caches per code object: its loops, its guarded ranges and its
+    identity."""
+    return loop_ranges(code), guarded_ranges(code), code_identity(code)

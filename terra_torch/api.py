@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 from types import FrameType
@@ -19,7 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from terra_torch import _C, _data_parallel, runtime
+from terra_torch import _C, _data_parallel, _warm_start, runtime
 from terra_torch.runtime import Program, Stats
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,7 +34,7 @@ def _check_mode(mode: str) -> None:
 
 
 def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str = False,
-         speed_check: bool = True) -> torch.nn.Module:
+         speed_check: bool = True, warm_start: bool | str | os.PathLike[str] | None = None) -> torch.nn.Module:
     """Co-execute everything between two forward calls of `model` (returns the same module).
 
     mode: "coexec" (graph on a worker thread, overlapping Python), "lazy" (the graph runs only
@@ -47,13 +48,20 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
     speed_check: after 100 co-executed iterations, and again now and then, time co-executed
     iterations against eager ones and run eagerly while eager is faster (the numbers are the same
     either way; terra_torch/_speed.py). False: always co-execute.
+    warm_start: keep the program's traces in a cache folder and, in a later run of the same code
+    with the same module structure, co-execute from the first iteration instead of tracing again
+    (docs/RUNTIME.md, "Warm start"). True: $TERRA_CACHE_DIR/programs (default
+    ~/.cache/terra_torch/programs); a path: that folder; None (default): the TERRA_WARM_START
+    environment variable ("1" or a folder; unset: off).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"terra_torch.wrap expects a torch.nn.Module, got {type(model).__name__}")
     _check_mode(mode)
     if getattr(model, "_terra_program", None) is not None:
         raise ValueError("terra_torch.wrap: this module is already wrapped (terra_torch.unwrap it first)")
-    program = Program(type(model).__name__, mode, optimize, speed_check)
+    folder = _warm_start.directory_from(warm_start)
+    structure = functools.partial(_warm_start.module_structure, model)
+    program = Program(type(model).__name__, mode, optimize, speed_check, folder, structure)
     own_forward = model.__dict__.get("forward")  # an instance attribute the user had set, if any
     lowering = None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -80,7 +88,8 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
 
     def evaluation_program() -> Program:
         if not evaluation:
-            evaluation.append(Program(f"{type(model).__name__} (eval)", mode, optimize, speed_check))
+            evaluation.append(Program(f"{type(model).__name__} (eval)", mode, optimize, speed_check, folder,
+                                      structure))
             program.evaluation = evaluation[0]
         return evaluation[0]
 
@@ -184,14 +193,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool | str = False,
-             speed_check: bool = True) -> Any:
+             speed_check: bool = True, warm_start: bool | str | os.PathLike[str] | None = None) -> Any:
     """Decorator: each call of a training-step function starts an iteration (which runs until the
     next call, so reading its results between calls is part of the iteration). `mode`,
-    `optimize` and `speed_check` as for `wrap`."""
+    `optimize`, `speed_check` and `warm_start` as for `wrap`."""
     _check_mode(mode)
+    folder = _warm_start.directory_from(warm_start)
 
     def decorate(f: F) -> F:
-        program = Program(getattr(f, "__qualname__", "function"), mode, optimize, speed_check)
+        program = Program(getattr(f, "__qualname__", "function"), mode, optimize, speed_check, folder)
 
         @functools.wraps(f)
         def step(*args: Any, **kwargs: Any) -> Any:

@@ -25,14 +25,16 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
 import torch
 
-from terra_torch import _C, _fused, _log
+from terra_torch import _C, _fused, _log, _warm_start
 from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 from terra_torch.debug import Location
@@ -76,6 +78,10 @@ class Stats:
     # The speed check's comparisons (terra_torch/_speed.py): {"iteration", "coexec_ms",
     # "eager_ms", "chosen"} per check, oldest first.
     speed_checks: list[dict[str, Any]] = field(default_factory=list)
+    # Warm start (terra_torch/_warm_start.py), None when off: {"path", "loaded", "traces",
+    # "load_s"} (traces kept by an earlier run and merged at the first iteration, and the
+    # seconds that took with generating their graph), plus "kept" (times this run saved it).
+    warm_start: dict[str, Any] | None = None
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
@@ -89,12 +95,10 @@ _lock = threading.RLock()
 _internal_files: dict[str, bool] = {}
 
 
-def _stop_frame(start: FrameType | None = None) -> FrameType | None:
-    """The frame above the user's frame that called the model or function (walking up from
-    `start`, by default the caller's frame): locations start at the user's frame (its statements
-    tell call sites apart), whose own loops, the training loop among them, are ignored
-    (Program.begin)."""
-    f = start if start is not None else sys._getframe(1)
+def _user_frame(start: FrameType | None) -> FrameType | None:
+    """The first frame from `start` up that is neither torch's nor terra_torch's: the user's frame
+    that called the model or function."""
+    f = start
     internal = _internal_files
     while f is not None:
         name = f.f_code.co_filename
@@ -102,9 +106,18 @@ def _stop_frame(start: FrameType | None = None) -> FrameType | None:
         if inside is None:
             inside = internal[name] = name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)
         if not inside:
-            return f.f_back
+            return f
         f = f.f_back
     return None
+
+
+def _stop_frame(start: FrameType | None = None) -> FrameType | None:
+    """The frame above the user's frame that called the model or function (walking up from
+    `start`, by default the caller's frame): locations start at the user's frame (its statements
+    tell call sites apart), whose own loops, the training loop among them, are ignored
+    (Program.begin)."""
+    user = _user_frame(start if start is not None else sys._getframe(1))
+    return user.f_back if user is not None else None
 
 
 def _fused_source(program: "weakref.ref[Program]") -> Callable[[], Any]:
@@ -121,7 +134,8 @@ class Program:
     """One co-executed program and its phase machine."""
 
     def __init__(self, name: str, mode: str = "coexec", optimize: bool | str = False,
-                 speed_check: bool = False) -> None:
+                 speed_check: bool = False, warm_start: Path | None = None,
+                 structure: Callable[[], list[Any]] | None = None) -> None:
         if mode not in ("coexec", "lazy", "trace"):
             raise ValueError(f"terra_torch: mode must be 'coexec', 'lazy' or 'trace', got {mode!r}")
         if optimize not in (False, True, "fused"):
@@ -133,7 +147,16 @@ class Program:
         self.fallbacks: list[Fallback] = []
         self._stats = Stats()
         fused = optimize == "fused"
-        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize is True, fused)
+        # Warm start: the folder of the kept program (None: off); the entry itself is named at
+        # the first iteration, when the calling code is known (_warm_start.KeptProgram).
+        self._warm_folder = warm_start if mode != "trace" else None
+        self._structure = structure
+        self._kept: _warm_start.KeptProgram | None = None
+        self._kept_refused = False
+        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize is True, fused,
+                                           self._warm_folder is not None)
+        self._session_args = ("lazy" if mode == "lazy" else "coexec", optimize is True, fused,
+                              self._warm_folder is not None)
         # optimize="fused": segments compile in the background (terra_torch/_fused.py). The thread
         # holds the program weakly and ends with it.
         self._compiler = _fused.SegmentCompiler(_fused_source(weakref.ref(self))) if fused else None
@@ -187,6 +210,8 @@ class Program:
             if self._speed_pending is not None and self._last_begin_ns:
                 self._speed_observe(self._speed_pending, (start - self._last_begin_ns) / 1e9)
             self._speed_pending, self._last_begin_ns = None, start
+            if self._warm_folder is not None and self._kept is None:
+                self._warm_start(_user_frame(sys._getframe(1)))
             self._region_phase = self.phase
             self._t0 = start
             _active, _active_thread = self, threading.get_ident()
@@ -288,11 +313,52 @@ class Program:
                         self._give_up(str(e))
                     else:
                         self._stats.graph_builds += 1
+                        if self._kept is not None:
+                            self._keep()
                         for _node, why in self._session.unsupported():
                             # Once per build: every path through that op runs eagerly from it on.
                             logger.warning("%s: the graph cannot run an op, its paths run eagerly: %s", self.name, why)
                         self._move("coexec", "the last traced iteration added nothing new")
             self.iteration += 1
+
+    # ---- warm start (terra_torch/_warm_start.py) -------------------------------------------
+
+    def _warm_start(self, user: FrameType | None) -> None:
+        """At the first iteration: merge the traces an earlier run kept and co-execute at once."""
+        structure = self._structure() if self._structure is not None else []
+        kept = self._kept = _warm_start.KeptProgram(self._warm_folder, self.name,
+                                                    user.f_code if user is not None else None, structure)
+        info: dict[str, Any] = {"path": str(kept.path), "loaded": False, "traces": 0, "load_s": 0.0, "kept": 0}
+        self._stats.warm_start = info
+        t0 = time.perf_counter()
+        text = kept.load()
+        if text is None:
+            return
+        try:
+            self._session.import_program(text)
+            self._session.build()
+        except (ValueError, RuntimeError) as e:
+            warnings.warn(f"terra_torch: ignoring the kept program {kept.path} of {self.name} ({e}); "
+                          "tracing it again and keeping it anew", stacklevel=4)
+            self._session = _C.runtime.Session(*self._session_args)
+            return
+        info.update(loaded=True, traces=self._session.num_traces, load_s=time.perf_counter() - t0)
+        self._stats.graph_builds += 1
+        self._move("coexec", f"warm start: {info['traces']} traces kept by an earlier run ({kept.path})")
+
+    def _keep(self) -> None:
+        """Save the traces merged so far for the next run (after each graph build)."""
+        assert self._kept is not None
+        try:
+            text = self._session.export_program()
+            self._kept.save(text)
+        except (ValueError, OSError) as e:
+            if not self._kept_refused:
+                self._kept_refused = True
+                logger.warning("%s: not kept for warm start: %s", self.name, e)
+            return
+        if self._stats.warm_start is not None:
+            self._stats.warm_start["kept"] += 1
 
     def _difference(self, region: Any, k: int) -> dict[str, str]:
         """Where (op, user line) and how the trace of `region` left the program at record `k`,

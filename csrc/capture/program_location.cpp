@@ -102,12 +102,19 @@ const LocationTracker::CodeFacts& LocationTracker::code_facts(PyCodeObject* code
   if (facts == nullptr) {
     CodeFacts found;
     PyObject* result = PyObject_CallOneArg(cache.finder, reinterpret_cast<PyObject*>(code));
-    bool ok = result != nullptr && PyTuple_Check(result) && PyTuple_Size(result) == 2 &&
+    bool ok = result != nullptr && PyTuple_Check(result) && PyTuple_Size(result) == 3 &&
               read_pairs(PyTuple_GetItem(result, 0), found.loops) && read_pairs(PyTuple_GetItem(result, 1), found.guarded);
+    if (ok) {
+      found.identity = PyLong_AsUnsignedLongLong(PyTuple_GetItem(result, 2));
+      ok = !PyErr_Occurred();
+    }
     Py_XDECREF(result);
     if (!ok) {
-      PyErr_Clear();  // no bytecode facts is a degraded location, not an error
+      // No bytecode facts is a degraded location, not an error; the address stands for the
+      // identity (such locations mean nothing in another process).
+      PyErr_Clear();
       found = CodeFacts{};
+      found.identity = reinterpret_cast<uintptr_t>(code);
     }
     // Inserted only now: while Python ran the finder, another thread may have taken the GIL
     // and grown the table (or cached this very code object).
@@ -217,12 +224,13 @@ uint64_t LocationTracker::capture(bool walked, c10::SmallVectorImpl<LoopFrame>* 
   for (size_t d = 0; d < scratch_.size(); ++d) {
     const FrameRef& f = scratch_[d];
     uint64_t prefix = id;
-    id = trace::hash_combine(trace::hash_combine(id, reinterpret_cast<uintptr_t>(f.code)), static_cast<uint64_t>(f.lasti));
+    const uint64_t code = scratch_facts_[d]->identity;
+    id = trace::hash_combine(trace::hash_combine(id, code), static_cast<uint64_t>(f.lasti));
     // Every loop of this frame whose range holds lasti encloses the op (outer ranges first).
     if (d == 0 && ignore_outermost_loops_) continue;
     for (const LoopRange& r : scratch_facts_[d]->loops) {
       if (f.lasti < r.start || f.lasti > r.end) continue;
-      uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, reinterpret_cast<uintptr_t>(f.code)), 0x100000000ULL + r.start);
+      uint64_t loop_id = trace::hash_combine(trace::hash_combine(prefix, code), 0x100000000ULL + r.start);
       active_.push_back(loop_id);
       LoopState& state = *loop_state_.try_emplace(loop_id).first;
       bool was_active = std::find(previous_active_.begin(), previous_active_.end(), loop_id) != previous_active_.end();

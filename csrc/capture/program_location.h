@@ -1,7 +1,9 @@
 // Program locations: where in the user's Python program an aten op was issued.
 //
 // A location is the Python call stack at the op, as (code object, instruction offset) pairs from
-// the region's outermost frame to the innermost one, interned to a 64-bit id. The same statement
+// the region's outermost frame to the innermost one, interned to a 64-bit id. A code object
+// enters the id by its identity (file, qualified name, bytecode: CodeFacts::identity), not its
+// address, so ids are equal across processes running the same source. The same statement
 // in two iterations of the training loop gives the same id; the same op reached from two call
 // sites gives different ids. Loops are recognised from bytecode: each code object's backward
 // jumps, computed once and cached, give the instruction ranges of its loops; an op inside such a
@@ -89,6 +91,9 @@ class LocationTracker {
   struct CodeFacts {
     std::vector<LoopRange> loops;
     std::vector<std::pair<int, int>> guarded;  // [start, end) offsets covered by an except clause
+    // Stands for the code object in location ids: the same in every process that runs the same
+    // source (terra_torch._locations.code_identity), so traces can be kept across runs.
+    uint64_t identity = 0;
   };
 
  private:

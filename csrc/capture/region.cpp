@@ -198,7 +198,7 @@ std::optional<ValueRef> Region::find_produced(const at::Tensor& t) const {
   return std::nullopt;
 }
 
-ValueRef Region::reference(const at::Tensor& t) {
+ValueRef Region::reference(const at::Tensor& t, uint64_t reader) {
   if (std::optional<ValueRef> ref = find_produced(t)) return *ref;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_wrapped_number()) {
@@ -206,7 +206,7 @@ ValueRef Region::reference(const at::Tensor& t) {
     // beyond it: keep a copy (the graph reads it when it is fed), which is also the identity.
     // Not deduplicated by address: the next object at that address is another tensor.
     at::Tensor kept = copy_wrapped_number(t);
-    trace_.externals.push_back({meta_of(t), kept.unsafeGetTensorImpl()});
+    trace_.externals.push_back({meta_of(t), kept.unsafeGetTensorImpl(), reader, true});
     externals_alive_.push_back(std::move(kept));
     ValueRef ref;
     ref.external = static_cast<int32_t>(trace_.externals.size() - 1);
@@ -215,7 +215,7 @@ ValueRef Region::reference(const at::Tensor& t) {
   auto [ext, inserted] = external_index_.try_emplace(impl);
   if (inserted) {
     *ext = static_cast<int32_t>(trace_.externals.size());
-    trace_.externals.push_back({meta_of(t), impl});
+    trace_.externals.push_back({meta_of(t), impl, reader, false});
     externals_alive_.push_back(t);
   }
   ValueRef ref;
@@ -248,20 +248,25 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   uint64_t h = 0x5eed;
   // (emit::generalizes, without the emit layer: terra:: ops keep their scalars in the identity)
   const bool generalize = rec.op.operator_name().getNamespace() != "terra";
+  // (ExternalInput::first_reader; only hashed where an input is new to the region)
+  auto reader = [&rec](size_t i, int64_t k) {
+    return trace::hash_combine(trace::hash_combine(rec.location, i), static_cast<uint64_t>(k + 1));
+  };
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = args[i];
     if (v.isTensor()) {
-      if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor())});
+      if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor(), reader(i, -1))});
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       for (size_t k = 0; k < list.size(); ++k) {
         at::Tensor e = list.get(k);
-        if (e.defined()) rec.inputs.push_back({int32_t(i), int32_t(k), reference(e)});
+        if (e.defined()) rec.inputs.push_back({int32_t(i), int32_t(k), reference(e, reader(i, int64_t(k)))});
       }
     } else if (v.isOptionalTensorList()) {
       int32_t k = 0;
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor() && e.toTensor().defined()) rec.inputs.push_back({int32_t(i), k, reference(e.toTensor())});
+        if (e.isTensor() && e.toTensor().defined())
+          rec.inputs.push_back({int32_t(i), k, reference(e.toTensor(), reader(i, k))});
         ++k;
       }
     }
@@ -309,8 +314,13 @@ uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* nod
   const uint64_t node_type = typeid(*node).hash_code();
   uint64_t base;
   if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-    // One per leaf (parameter): anchor on the leaf's identity, stable across iterations.
-    base = trace::hash_combine(0xacc, reinterpret_cast<uintptr_t>(acc->variable.unsafeGetTensorImpl()));
+    // One per leaf (parameter): anchored on the op input that first read the leaf in this
+    // region, which names it in every iteration and, unlike its address, in another process
+    // (warm start); the address where no such input is known.
+    const c10::TensorImpl* leaf = acc->variable.unsafeGetTensorImpl();
+    const int32_t* ext = external_index_.find(leaf);
+    const uint64_t reader = ext != nullptr ? trace_.externals[*ext].first_reader : 0;
+    base = trace::hash_combine(0xacc, reader != 0 ? reader : reinterpret_cast<uintptr_t>(leaf));
   } else {
     const Creator* forward = node_location_.find(node->sequence_nr());
     base = forward != nullptr ? forward->location : trace::hash_combine(0xb0, node_type);

@@ -94,7 +94,8 @@ class Region {
     ValueRef ref;
   };
 
-  ValueRef reference(const at::Tensor& t);  // value_of() without the lock
+  // value_of() without the lock; `reader` names the op input reading it (ExternalInput::first_reader).
+  ValueRef reference(const at::Tensor& t, uint64_t reader = 0);
   std::optional<ValueRef> find_produced(const at::Tensor& t) const;  // produced() without the lock
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   // `walked`: the stack was walked without the GIL for this op (LocationTracker::walk_without_gil).

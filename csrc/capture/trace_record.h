@@ -45,7 +45,13 @@ struct OpInput {
 // A tensor the region did not produce: a parameter, a batch, a constant.
 struct ExternalInput {
   TensorMeta meta;
-  const void* identity;  // the TensorImpl; kept alive by the recorder while the region is open
+  // The TensorImpl, kept alive by the recorder while the region is open. Traces read back from
+  // a file (capture/trace_json.h) hold a token here that is no address: never dereference it.
+  const void* identity = nullptr;
+  // The first op input that read it, hash_combine(location, argument, list index): a name
+  // that, unlike the address, is the same in another iteration or process (0: not known).
+  uint64_t first_reader = 0;
+  bool wrapped_number = false;  // a Python scalar the arg parser wrapped (one object per op)
 };
 
 struct OpRecord {

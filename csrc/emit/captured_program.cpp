@@ -173,8 +173,7 @@ std::vector<at::Tensor> external_tensors(const capture::Region& region) { return
 CapturedProgram::CapturedProgram() { feed_ids_.emplace(nullptr, kWrappedScalarFeed); }
 
 uint32_t CapturedProgram::feed_id(const capture::ExternalInput& external) {
-  const auto* impl = static_cast<const c10::TensorImpl*>(external.identity);
-  if (impl != nullptr && impl->is_wrapped_number()) return kWrappedScalarFeed;
+  if (external.wrapped_number) return kWrappedScalarFeed;
   const auto [it, inserted] = feed_ids_.try_emplace(external.identity, static_cast<uint32_t>(feed_ids_.size()));
   return it->second;
 }

@@ -101,6 +101,7 @@ class CapturedProgram {
   // that co-execution checks before the graph runs them, so the graph waits at their gate.
   // Merged records flagged `checked` add theirs; so does every op that raised in an iteration.
   void add_check(uint64_t key) { checks_.insert(key); }
+  const std::unordered_set<uint64_t>& checks() const { return checks_; }
   bool is_check(uint64_t key) const { return !checks_.empty() && checks_.count(key) != 0; }
   // The same for an op of a region: asked for every op in co-execution, so nothing is hashed
   // while no op is to be checked.

@@ -89,16 +89,23 @@ std::string session_dot(const Session& s, const std::string& title) {
 void init_session(py::module_& m) {
   py::module_ r = m.attr("runtime").cast<py::module_>();
   py::class_<Session, std::shared_ptr<Session>>(r, "Session")
-      .def(py::init([](const std::string& mode, bool optimize, bool fused) {
+      .def(py::init([](const std::string& mode, bool optimize, bool fused, bool keep_traces) {
              TORCH_CHECK(mode == "coexec" || mode == "lazy", "terra_torch: mode must be 'coexec' or 'lazy', got '",
                          mode, "'");
              runtime::SessionOptions o;
              o.drive = mode == "lazy" ? runtime::Drive::kLazy : runtime::Drive::kCoExec;
              o.optimize = optimize;
              o.fused = fused;
+             o.keep_traces = keep_traces;
              return std::make_shared<Session>(o);
            }),
-           py::arg("mode") = "coexec", py::arg("optimize") = false, py::arg("fused") = false)
+           py::arg("mode") = "coexec", py::arg("optimize") = false, py::arg("fused") = false,
+           py::arg("keep_traces") = false)
+      .def("export_program", &Session::export_program,
+           "The merged traces as JSON text for import_program in a later run (warm start); ValueError "
+           "naming what cannot be kept")
+      .def("import_program", &Session::import_program, py::arg("text"),
+           "Merge the traces of an export_program text into this new session; ValueError if unreadable")
       .def_property_readonly("fused", &Session::fused_executor, "the current graph's FusedExecutor, or None")
       .def("add", &Session::add, py::arg("region"), "Merge a closed region's trace; True if it was already covered")
       .def("build", &Session::build, "Generate the graph and start its runner")

@@ -6,6 +6,10 @@
 
 #include "common/clock.h"
 
+#include <nlohmann/json.hpp>
+
+#include "capture/trace_json.h"
+#include "capture/value_checks.h"
 #include "emit/graph_emitter.h"
 #include "trace/case_assignment.h"
 #include "trace/cursor.h"
@@ -48,6 +52,7 @@ bool Session::add(const capture::Region& region) {
   }
   const uint32_t index = program_.add(region.trace());
   for (const uint64_t key : region.raised()) program_.add_check(key);  // checked first from now on
+  if (options_.keep_traces) keep(region.trace(), const_cast<capture::Region*>(&region));
   // Described now, while the region's code objects are at hand (needs the GIL, which the
   // caller holds): pictures label nodes with these frames.
   const auto& nodes = program_.record_nodes(index);
@@ -74,6 +79,102 @@ void Session::build() {
   if (options_.fused) fused_ = std::make_shared<FusedExecutor>(emitted_->graph, emit::SegmentOptions{.feeds_ready = false});
   runner_ = std::make_unique<PythonRunner>(program_, *structured_, *emitted_, options_.drive, &node_frames_, fused_);
   ++builds_;
+}
+
+namespace {
+constexpr const char* kProgramFormat = "terra_torch.program/1";
+}  // namespace
+
+void Session::keep(const capture::Trace& trace, capture::Region* region) {
+  const auto token_of = [this](const void* identity) {
+    const auto [it, inserted] = tokens_.try_emplace(identity, next_token_);
+    if (inserted) ++next_token_;
+    return it->second;
+  };
+  try {
+    kept_traces_.push_back(capture::trace_to_json(trace, token_of).dump());
+  } catch (const std::invalid_argument& e) {
+    if (unkept_.empty()) unkept_ = e.what();
+    return;
+  }
+  for (const capture::OpRecord& rec : trace.ops) {
+    const uint64_t key = capture::check_key(rec.location, rec.op);
+    if (!kept_ops_.count(key)) kept_ops_.emplace(key, std::make_pair(rec.location, rec.op.operator_name()));
+    if (region != nullptr && !location_frames_.count(rec.location))
+      location_frames_.emplace(rec.location, region->locations().describe(rec.location));
+  }
+}
+
+std::string Session::export_program() const {
+  TORCH_CHECK(options_.keep_traces, "terra_torch: this session keeps no traces (SessionOptions::keep_traces)");
+  if (!unkept_.empty()) throw std::invalid_argument(unkept_);
+  nlohmann::json checks = nlohmann::json::array();
+  for (const uint64_t key : program_.checks()) {
+    const auto it = kept_ops_.find(key);
+    if (it != kept_ops_.end())
+      checks.push_back({it->second.first, it->second.second.name, it->second.second.overload_name});
+  }
+  nlohmann::json frames = nlohmann::json::array();
+  for (const auto& [location, lines] : location_frames_) frames.push_back({location, lines});
+  // The traces are spliced in as the text keep() wrote (not parsed again).
+  std::string out = nlohmann::json{{"format", kProgramFormat}, {"checks", checks}, {"frames", frames}}.dump();
+  out.pop_back();  // the closing brace
+  out += ",\"traces\":[";
+  for (size_t i = 0; i < kept_traces_.size(); ++i) out += (i ? "," : "") + kept_traces_[i];
+  out += "]}";
+  return out;
+}
+
+void Session::import_program(const std::string& text) {
+  TORCH_CHECK(program_.num_traces() == 0 && !runner_, "terra_torch: a program can only be imported into a new session");
+  std::vector<capture::Trace> traces;
+  std::vector<std::string> texts;
+  std::vector<uint64_t> checks;
+  std::unordered_map<uint64_t, std::vector<std::string>> frames;
+  uint64_t max_token = 0;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    if (!j.is_object() || j.value("format", "") != kProgramFormat)
+      throw std::invalid_argument("terra_torch: not a kept program of format " + std::string(kProgramFormat));
+    for (const auto& t : j.at("traces")) {
+      traces.push_back(capture::trace_from_json(t));
+      texts.push_back(t.dump());
+      for (const auto& e : t.at("externals")) max_token = std::max(max_token, e.at("token").get<uint64_t>());
+    }
+    for (const auto& c : j.at("checks")) {
+      const auto op = c10::Dispatcher::singleton().findSchema({c.at(1).get<std::string>(), c.at(2).get<std::string>()});
+      if (op) checks.push_back(capture::check_key(c.at(0).get<uint64_t>(), *op));
+    }
+    for (const auto& f : j.at("frames")) frames.emplace(f.at(0).get<uint64_t>(), f.at(1).get<std::vector<std::string>>());
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("terra_torch: a kept program is malformed: ") + e.what());
+  }
+  try {
+    for (const capture::Trace& t : traces) {
+      const uint32_t index = program_.add(t);
+      const auto& nodes = program_.record_nodes(index);
+      node_frames_.resize(program_.graph().num_nodes());
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        const auto it = frames.find(t.ops[i].location);
+        if (node_frames_[nodes[i]].empty() && it != frames.end()) node_frames_[nodes[i]] = it->second;
+      }
+    }
+  } catch (...) {
+    program_ = emit::CapturedProgram();
+    node_frames_.clear();
+    throw;
+  }
+  for (const uint64_t key : checks) program_.add_check(key);
+  if (options_.keep_traces) {
+    // Kept as read; this process's own tokens start above the file's, so that no object of
+    // this run is taken for one of the earlier run's.
+    next_token_ = max_token + 1;
+    kept_traces_ = std::move(texts);
+    location_frames_ = std::move(frames);
+    for (const capture::Trace& t : traces)
+      for (const capture::OpRecord& rec : t.ops)
+        kept_ops_.emplace(capture::check_key(rec.location, rec.op), std::make_pair(rec.location, rec.op.operator_name()));
+  }
 }
 
 // Flattening a loop merged every trace again: node ids changed, the records did not.

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "capture/region.h"
@@ -30,6 +31,8 @@ struct SessionOptions {
   // Straight-line stretches run compiled once compiled and checked (runtime/fused_executor.h):
   // results within a tolerance of eager's, not bitwise.
   bool fused = false;
+  // Every merged trace is also kept as JSON, for export_program (warm start).
+  bool keep_traces = false;
 };
 
 class Session {
@@ -49,6 +52,17 @@ class Session {
   // runner is synchronized (its live placeholders get their values) and shut down first.
   void build();
   bool has_runner() const { return runner_ != nullptr; }
+
+  // Warm start (docs/RUNTIME.md, "Warm start"): the traces merged so far as one JSON text that
+  // import_program merges again in another process, where locations mean the same
+  // (capture/trace_json.h). Needs SessionOptions::keep_traces; throws std::invalid_argument
+  // naming what cannot be kept (an argument without a written form). The text also holds the
+  // ops learned to raise and each location's frames (for pictures).
+  std::string export_program() const;
+  // Merges the traces of an export_program text into this session, which has merged nothing
+  // yet; build() then generates their graph. Throws std::invalid_argument, leaving the session
+  // as it was, on a text it cannot read (malformed, another format, an operator unknown here).
+  void import_program(const std::string& text);
   // The current graph's FusedExecutor (SessionOptions::fused), for its compiler; else null.
   const std::shared_ptr<FusedExecutor>& fused_executor() const { return fused_; }
   PythonRunner& runner();
@@ -97,6 +111,17 @@ class Session {
   int64_t builds_ = 0;
   int64_t last_uncovered_ = -1;
   std::vector<std::vector<std::string>> node_frames_;
+  // SessionOptions::keep_traces: each merged trace as JSON, the frames of its locations, and
+  // the tokens standing for its externals' addresses (capture/trace_json.h).
+  std::vector<std::string> kept_traces_;
+  std::unordered_map<uint64_t, std::vector<std::string>> location_frames_;
+  std::unordered_map<const void*, uint64_t> tokens_;
+  uint64_t next_token_ = 1;
+  // Per check key of a kept record: its location and operator, how export names a check.
+  std::unordered_map<uint64_t, std::pair<uint64_t, c10::OperatorName>> kept_ops_;
+  // Why the program cannot be kept ("" while it can): the first trace keep() refused.
+  std::string unkept_;
+  void keep(const capture::Trace& trace, capture::Region* region);
   // The latest co-execution region, reused by the next open_region() when nobody else holds
   // it (Python drops it when the iteration ends, unless a fallback's location keeps it).
   std::shared_ptr<capture::Region> spare_region_;
