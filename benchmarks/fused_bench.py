@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.harness.runtime import Runtime, load_program
 
-REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch"})
+REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int"})
 
 
 def _time_replays(runner: Any, scripts: list[Any], iters: int) -> float:

@@ -214,7 +214,7 @@ def _build(gm: torch.fx.GraphModule, flat: list[Any], region: Any, leaves: list[
     unserved = sorted(set(re.findall(r"terra::(\w+)", plan.text)) - _SERVED_OPS)
     if unserved:
         raise DirectUnavailable(f"its graph takes input through {', '.join(unserved)}")
-    _, feeds, fetches = plan.script(0)
+    _, feeds, fetches, _scalars = plan.script(0)
     graph = _C.runtime.DirectGraph(plan)
     sources = _feed_sources(gm, flat, dict(feeds))
     result_of_tag = {tag: graph.fetch_slots.index(slot) for slot, tag in fetches}

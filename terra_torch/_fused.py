@@ -42,7 +42,7 @@ import torch
 log = logging.getLogger("terra_torch.fused")
 
 # Bumped when the way a body becomes a package changes: older packages are not reused.
-_COMPILER_VERSION = 2
+_COMPILER_VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -98,7 +98,10 @@ def example_arguments(plan: dict[str, list[Any]]) -> tuple[torch.Tensor, ...]:
 
 def package_key(body: dict[str, Any], plan: dict[str, list[Any]]) -> str:
     h = hashlib.sha256()
-    h.update(body["text"].encode())
+    # The body by its canonical form (values numbered in order, constants by value), not its
+    # text: the text names values after the whole graph's numbering, so the same segment cut
+    # from a graph generated again (another trace merged, a warm start) would miss the cache.
+    h.update(repr((body["inputs"], body["nodes"], body["outputs"])).encode())
     h.update(repr(plan).encode())
     h.update(f"{torch.__version__}|{_COMPILER_VERSION}".encode())
     return h.hexdigest()[:32]
@@ -111,9 +114,10 @@ def package_path(body: dict[str, Any], plan: dict[str, list[Any]]) -> Path:
     return directory / f"{package_key(body, plan)}.pt2"
 
 
-def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]]) -> tuple[str, bool]:
-    """Path of the segment's AOTInductor package, and whether it came from the cache."""
-    path = package_path(body, plan)
+def compile_segment(body: dict[str, Any], plan: dict[str, list[Any]], path: Path | None = None) -> tuple[str, bool]:
+    """Path of the segment's AOTInductor package, and whether it came from the cache. `path`:
+    where to put it (default: its place in the cache, package_path)."""
+    path = path if path is not None else package_path(body, plan)
     if path.exists():
         return str(path), True
     directory = path.parent
@@ -148,7 +152,9 @@ def compile_in_subprocess(body: dict[str, Any], plan: dict[str, list[Any]],
     directory = path.parent
     fd, request = tempfile.mkstemp(suffix=".request", dir=directory)
     with os.fdopen(fd, "wb") as f:
-        pickle.dump((body, plan), f)
+        # The path travels with the request: a child that computed the key itself could name
+        # another file than the one this process then loads (a terra_torch edited meanwhile).
+        pickle.dump((body, plan, str(path)), f)
     # (stderr to a file, not a pipe: a child writing more warnings than a pipe holds would block)
     with tempfile.TemporaryFile("w+", dir=directory) as errors:
         try:
@@ -242,11 +248,12 @@ class SegmentCompiler:
 
 def _main(argv: list[str]) -> int:
     """The child of compile_in_subprocess: python -m terra_torch._fused REQUEST (a pickle of
-    (body, plan)); writes the package into the cache, exits non-zero with the error on stderr."""
+    (body, plan, package path)); writes the package there, exits non-zero with the error on
+    stderr."""
     with open(argv[0], "rb") as f:
-        body, plan = pickle.load(f)
+        body, plan, path = pickle.load(f)
     torch.set_num_threads(1)
-    compile_segment(body, plan)
+    compile_segment(body, plan, Path(path))
     return 0
 
 

@@ -12,7 +12,7 @@ program runs, a recorded iteration stands in for it: its script says what the Py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -29,6 +29,9 @@ class Script:
     feeds: list[tuple[int, torch.Tensor | None]]  # (slot, tensor); None: the graph's own value
     fetches: list[tuple[int, int]]  # (slot, tag: output index or -1 for a read inside fn)
     num_outputs: int
+    # Python numbers fed per execution (terra::feed_scalar, feed_int): (channel key, value),
+    # posted as decisions in this order.
+    scalars: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Plan:
@@ -54,9 +57,9 @@ class Plan:
     def script(self, recording: Recording, externals: Sequence[torch.Tensor] | None = None) -> Script:
         """`externals` replaces the recording's external tensors (same order as
         `recording.externals`), e.g. the runner's own copies of parameters."""
-        decisions, feeds, fetches = self._plan.script(
+        decisions, feeds, fetches, scalars = self._plan.script(
             self._index[id(recording)], None if externals is None else list(externals))
-        return Script(decisions, feeds, fetches, len(recording.outputs))
+        return Script(decisions, feeds, fetches, len(recording.outputs), scalars)
 
     def runner(self, mode: str = "interpreter", channel: _C.runtime.Channel | None = None):
         return _C.runtime.GraphRunner(self._plan, channel, mode)
@@ -66,6 +69,8 @@ def post(channel: _C.runtime.Channel, script: Script) -> None:
     """Send an iteration's decisions and feeds; never blocks."""
     for site, value in script.decisions:
         channel.post_decision(site, value)
+    for key, value in script.scalars:
+        channel.post_decision(key, value)
     for slot, tensor in script.feeds:
         channel.post_feed(slot, tensor)
 

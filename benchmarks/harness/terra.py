@@ -34,9 +34,9 @@ from benchmarks.harness.runners import Runner, RunnerUnavailable, StepFn, _first
 TIME_FIELDS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s", "tracing_s")
 PHASES = ("tracing", "coexec", "eager")
 WAIT_S = 30.0  # a replayed iteration that takes longer than this is stuck, not slow
-# Channel ops a recorded script can serve (terra_torch._runtime.post / collect). A graph with any
-# other terra:: op (Python scalars fed per iteration: terra::feed_scalar) would wait forever.
-REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch"})
+# Channel ops a recorded script can serve (terra_torch._runtime.post / collect; Python numbers
+# fed per iteration too, Script.scalars). A graph with any other terra:: op would wait forever.
+REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int"})
 
 
 class TerraRunner(Runner):

@@ -132,10 +132,25 @@ class Plan {
       decisions.append(py::make_tuple(site, choice));
 
     // Slot numbering skips None inputs, as the translation and the emitter do.
-    py::list feeds, fetches;
+    py::list feeds, fetches, scalars;
     const auto& nodes = program_.record_nodes(index);
+    std::vector<int64_t> bits;
     for (size_t i = 0; i < captured.ops.size(); ++i) {
       const capture::OpRecord& rec = captured.ops[i];
+      // Python numbers fed per execution (terra::feed_scalar / feed_int: emitted_graph.h,
+      // ScalarUse), posted as the channel takes them: a decision at kScalarKeyBase + slot per
+      // value, a list as its length and then its elements.
+      if (auto uses = emitted_.node_scalars.find(nodes[i]); uses != emitted_.node_scalars.end()) {
+        for (const auto& use : uses->second) {
+          if (use.slot < 0) continue;
+          bits.clear();
+          TORCH_CHECK(emit::scalar_bits(rec.attributes.at(use.attribute), use.kind, bits), "terra_torch: record ", i,
+                      " passes another kind of scalar than the graph feeds");
+          const int64_t key = runtime::kScalarKeyBase + use.slot;
+          if (emit::EmittedGraph::is_list(use.kind)) scalars.append(py::make_tuple(key, static_cast<int64_t>(bits.size())));
+          for (const int64_t b : bits) scalars.append(py::make_tuple(key, b));
+        }
+      }
       const bool read = emit::is_read_op(rec.op.schema());
       uint32_t s = 0;
       for (const capture::OpInput& input : rec.inputs) {
@@ -158,7 +173,7 @@ class Plan {
           feeds.append(py::make_tuple(slot, py::none()));
       }
     }
-    return py::make_tuple(decisions, feeds, fetches);
+    return py::make_tuple(decisions, feeds, fetches, scalars);
   }
 
  private:
@@ -341,7 +356,8 @@ void init_runtime(py::module_& m) {
       .def_property_readonly("fetches", &Plan::fetches, "[(node, input, tag)] per fetch slot")
       .def_property_readonly("sites", &Plan::sites, "'case' or 'loop' per decision site")
       .def("script", &Plan::script, py::arg("index"), py::arg("externals") = py::none(),
-           "(decisions [(site, value)], feeds [(slot, tensor|None)], fetches [(slot, tag)]) of a recording");
+           "(decisions [(site, value)], feeds [(slot, tensor|None)], fetches [(slot, tag)], scalars [(key, "
+           "value)]: post_decision(key, value) each) of a recording");
 
   py::class_<DirectGraph, std::shared_ptr<DirectGraph>>(r, "DirectGraph")
       .def(py::init([](const Plan& plan, const std::string& mode, bool into_buffers) {
