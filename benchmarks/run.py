@@ -40,8 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_RUNNERS = ("eager", "compile", "compile-step", "jit-trace", "jit-script", "lazy")
 TERRA_RUNNERS = ("terra", "terra-lazy", "terra-graph-only")
+# Compiled segments (optimize="fused"): asked for by name (their compiles take minutes per
+# program on 2 cores), e.g. --runners eager,compile-step,terra-graph-only-fused,terra-fused.
+FUSED_RUNNERS = ("terra-fused", "terra-graph-only-fused")
 DEFAULT_RUNNERS = PEER_RUNNERS + TERRA_RUNNERS
-KNOWN_RUNNERS = DEFAULT_RUNNERS
+KNOWN_RUNNERS = DEFAULT_RUNNERS + FUSED_RUNNERS
 # Run id of cells measured before runs were recorded (results.json files written before this).
 LEGACY_RUN = "before-run-ids"
 
@@ -136,8 +139,8 @@ def runner_groups(runners: list[str]) -> list[list[str]]:
     Eager runs before the first group and after each one, so the terra cells have an eager
     measurement right before and right after them even when slow peers (compile) ran first.
     """
-    peers = [r for r in runners if r != "eager" and r not in TERRA_RUNNERS]
-    terra = [r for r in runners if r in TERRA_RUNNERS]
+    peers = [r for r in runners if r != "eager" and r not in TERRA_RUNNERS + FUSED_RUNNERS]
+    terra = [r for r in runners if r in TERRA_RUNNERS + FUSED_RUNNERS]
     return [g for g in (peers, terra) if g]
 
 
@@ -282,8 +285,11 @@ def attach_correctness(doc: dict[str, Any]) -> None:
         for runner, cell in cells.items():
             if runner == "eager":
                 cell["correctness"] = {"verdict": compare.determinism(cell)}
-            elif runner == "terra-graph-only":
+            elif runner.startswith("terra-graph-only"):
                 cell["correctness"] = compare.replay_verdict(ref, cell)
+            elif runner == "terra-fused":
+                # Within a tolerance of eager, like torch.compile's cells (docs/RUNTIME.md).
+                cell["correctness"] = compare.verdict(ref, cell)
             elif runner.startswith("terra"):
                 cell["correctness"] = compare.terra_verdict(ref, cell)
             else:

@@ -21,8 +21,8 @@ from benchmarks.harness.compare import EARLY_RTOL, EARLY_STEPS, RTOL
 from benchmarks.programs import PROGRAMS
 
 DISPLAY_ORDER = ("eager", "compile", "compile-step", "jit-trace", "jit-script", "lazy",
-                 "terra", "terra-lazy", "terra-graph-only")
-TERRA = ("terra", "terra-lazy", "terra-graph-only")
+                 "terra", "terra-lazy", "terra-graph-only", "terra-fused", "terra-graph-only-fused")
+TERRA = ("terra", "terra-lazy", "terra-graph-only", "terra-fused", "terra-graph-only-fused")
 MARKS = {"bitwise": "=", "close": "~", "drift": "~drift", "WRONG": "WRONG", "deterministic": "=",
          "NOT deterministic": "nondet", "MISMATCH": "MISMATCH"}
 NOISY = 0.25  # repetition spread (max - min) / median above which a timing gets a dagger

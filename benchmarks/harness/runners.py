@@ -58,6 +58,12 @@ class Runner:
     def sync(self) -> None:
         """Called at the end of each timed repetition: all queued work must be finished."""
 
+    def settle(self) -> float:
+        """Called once after the warm-up repetitions, before the timed ones: a runner whose code
+        is still being prepared in the background (compiled segments) waits for it here, so that
+        the timed steps measure the prepared code. Returns the seconds it waited."""
+        return 0.0
+
     def stats(self) -> dict[str, Any]:
         """Runner-specific counters (graph breaks, recompiles, lazy compiles, ...)."""
         return {}
@@ -203,24 +209,31 @@ register_runner("jit-script", ScriptRunner)
 register_runner("lazy", LazyRunner)
 
 
-def _terra(name: str, mode: str) -> RunnerFactory:
+def _terra(name: str, mode: str, optimize: bool | str = False) -> RunnerFactory:
     def make() -> Runner:
         from benchmarks.harness.terra import TerraRunner
 
-        return TerraRunner(name, mode)
+        return TerraRunner(name, mode, optimize)
 
     return make
 
 
-def _graph_only() -> Runner:
-    from benchmarks.harness.terra import GraphOnlyRunner
+def _graph_only(fused: bool = False) -> RunnerFactory:
+    def make() -> Runner:
+        from benchmarks.harness.terra import GraphOnlyRunner
 
-    return GraphOnlyRunner()
+        return GraphOnlyRunner(fused)
+
+    return make
 
 
 register_runner("terra", _terra("terra", "coexec"))
 register_runner("terra-lazy", _terra("terra-lazy", "lazy"))
-register_runner("terra-graph-only", _graph_only)
+register_runner("terra-graph-only", _graph_only())
+# optimize="fused": straight-line stretches compiled by AOTInductor (docs/RUNTIME.md, "Compiled
+# segments"); results within a tolerance of eager, like torch.compile's.
+register_runner("terra-fused", _terra("terra-fused", "coexec", "fused"))
+register_runner("terra-graph-only-fused", _graph_only(fused=True))
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 import types
 from typing import Any
 
@@ -42,10 +43,14 @@ REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", 
 class TerraRunner(Runner):
     """terra_torch co-execution ("coexec") or its serialized baseline ("lazy")."""
 
-    def __init__(self, name: str, mode: str) -> None:
+    # settle(): how long compiled segments may take to be compiled (each ~20 s on 2 cores).
+    SETTLE_LIMIT_S = 1800.0
+
+    def __init__(self, name: str, mode: str, optimize: bool | str = False) -> None:
         self.name = name
         self.mode = mode
-        self.note = f"terra_torch, mode={mode}"
+        self.optimize = optimize
+        self.note = f"terra_torch, mode={mode}" + (f", optimize={optimize!r}" if optimize else "")
         self.iteration = "model"
         self._terra: Any = None
         self._wrapped: list[tuple[str, Any]] = []  # (label, object terra_torch.stats accepts)
@@ -68,24 +73,39 @@ class TerraRunner(Runner):
             raise ValueError(f"TERRA_ITERATION must be 'model' or 'step', got {self.iteration!r}")
         how = ("terra_torch.wrap(model)" if self.iteration == "model"
                else "@terra_torch.function on the step")
-        self.note = f"terra_torch, mode={self.mode}, {how}"
+        self.note = f"terra_torch, mode={self.mode}, {how}" + (f", optimize={self.optimize!r}" if self.optimize else "")
 
     def wrap_model(self, model: Any, example_inputs: tuple[Any, ...]) -> Any:
         if self.iteration != "model":
             return model
-        wrapped = self._terra.wrap(model, mode=self.mode)
+        wrapped = self._terra.wrap(model, mode=self.mode, optimize=self.optimize)
         self._wrapped.append((f"wrap({type(model).__name__})", wrapped))
         return wrapped
 
     def wrap_step(self, step: StepFn) -> StepFn:
         if self.iteration != "step":
             return step
-        fn = self._terra.function(step, mode=self.mode)
+        fn = self._terra.function(step, mode=self.mode, optimize=self.optimize)
         self._wrapped.append(("function(step)", fn))
         return fn
 
     def sync(self) -> None:
         self._terra.synchronize()
+
+    def _segments(self) -> list[dict[str, Any]]:
+        return [s for _, obj in self._wrapped for s in (self._terra.explain(obj).segments or [])]
+
+    def settle(self) -> float:
+        """optimize="fused": wait until every segment that has run is compiled (or stays
+        interpreted), so that the timed steps run the compiled code."""
+        if self.optimize != "fused":
+            return 0.0
+        t0 = time.perf_counter()
+        while any(s["state"] in ("requested", "compiling") for s in self._segments()):
+            if time.perf_counter() - t0 > self.SETTLE_LIMIT_S:
+                break
+            time.sleep(0.5)
+        return time.perf_counter() - t0
 
     def counters(self) -> dict[str, float]:
         """Cumulative times and phase counts; the worker takes differences over the timed reps."""
@@ -119,14 +139,30 @@ class TerraRunner(Runner):
                 **{key: round(float(getattr(st, key)), 6) for key in TIME_FIELDS},
             })
         phases = {p: sum(o["iterations"].get(p, 0) for o in per_object) for p in PHASES}
-        return {"iteration": self.iteration, "mode": self.mode, "phases": phases,
-                "fallbacks": sum(o["fallbacks"] for o in per_object), "programs": per_object}
+        out = {"iteration": self.iteration, "mode": self.mode, "phases": phases,
+               "fallbacks": sum(o["fallbacks"] for o in per_object), "programs": per_object}
+        if self.optimize == "fused":
+            out["segments"] = _segment_summary(self._segments())
+        return out
 
     def breakdown(self) -> dict[str, float] | None:
         if not self._wrapped:
             return None
         totals = self.counters()
         return {key: totals[key] for key in TIME_FIELDS}
+
+
+def _segment_summary(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compiled segments of a fused runner: how many in each state, ops compiled, the largest
+    difference their checks saw, and the reasons of those left interpreted."""
+    states: dict[str, int] = {}
+    for s in segments:
+        states[s["state"]] = states.get(s["state"], 0) + 1
+    return {"states": states,
+            "ops_compiled": sum(s["ops"] for s in segments if s["state"] == "trusted"),
+            "ops_in_segments": sum(s["ops"] for s in segments),
+            "max_difference": max((s.get("max_difference", 0.0) for s in segments), default=0.0),
+            "interpreted": sorted({s["reason"] for s in segments if s["state"] == "interpreted"})[:5]}
 
 
 def _fallback_reasons(fallbacks: list[Any], limit: int = 5) -> list[str]:
@@ -166,12 +202,16 @@ class GraphOnlyRunner(Runner):
     without waiting; `sync` collects the fetched losses and waits for the worker.
     """
 
-    name = "terra-graph-only"
     RECORDED = 6
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
+        # fused: the GraphRunner runs compiled segments (mode="fused"); they are compiled right
+        # after the replay check (itself interpreted, bitwise), outside the timed steps.
+        self.fused = fused
+        self.name = "terra-graph-only-fused" if fused else "terra-graph-only"
         self.note = (f"terra_torch graph only: {self.RECORDED} recorded iterations replayed on the "
-                     "GraphRunner, no program Python (timing bound)")
+                     "GraphRunner, no program Python (timing bound)"
+                     + ("; straight-line segments compiled by AOTInductor" if fused else ""))
         self._recordings: list[Any] = []
         self._scripts: list[Any] = []
         self._runner: Any = None
@@ -211,7 +251,7 @@ class GraphOnlyRunner(Runner):
                 + ", ".join(f"terra::{op}" for op in unserved)
                 + ", which recorded scripts (terra_torch._runtime.Plan.script) do not provide; "
                 "see the derived graph-only figure from the terra cell")
-        self._runner = plan.runner()
+        self._runner = plan.runner("fused" if self.fused else "interpreter")
         self._check = _replay_check(plan, self._runner, self._recordings, snapshots)
         self._scripts = [plan.script(r) for r in self._recordings]
         self._plan_info = {
@@ -223,7 +263,22 @@ class GraphOnlyRunner(Runner):
             "recorded_losses": [_loss_value(r) for r in self._recordings],
             "first_recorded_step": i + 1,
         }
+        if self.fused:
+            self._compile_segments()
         return loss
+
+    def _compile_segments(self) -> None:
+        """Compile every segment the check's runs requested (in this process: nothing else runs
+        now), then replay each script once so that each segment's checked first compiled run
+        is not timed."""
+        from terra_torch import _fused, _runtime
+
+        t0 = time.perf_counter()
+        while _fused.compile_one(self._runner.fused, 0.0):
+            pass
+        self._plan_info["compile_s"] = time.perf_counter() - t0
+        for script in self._scripts:
+            _runtime.run_iteration(self._runner, script, WAIT_S)
 
     def _post_next(self) -> _Replay:
         from terra_torch import _runtime
@@ -263,7 +318,10 @@ class GraphOnlyRunner(Runner):
 
     def stats(self) -> dict[str, Any]:
         raw = dict(self._runner.stats) if self._runner is not None else {}
-        return {"replay_check": self._check, "plan": self._plan_info, "runner": raw}
+        out = {"replay_check": self._check, "plan": self._plan_info, "runner": raw}
+        if self.fused and self._runner is not None:
+            out["segments"] = _segment_summary(list(self._runner.fused.report()))
+        return out
 
     def breakdown(self) -> dict[str, float] | None:
         c = self.counters()

@@ -109,6 +109,7 @@ def _timed_run(program: str, runner: Any, cfg: CellConfig) -> dict[str, Any]:
         before: dict[str, float] = {}
         for rep in range(cfg.warmup + cfg.reps):
             if rep == cfg.warmup:
+                out["settle_s"] = runner.settle()
                 before = runner.counters()
             first = 1 + rep * spr
             rep_times.append(_time_steps(step, runner, state, first, spr, outputs, at))

@@ -295,6 +295,35 @@ def test_mlp_sgd_training_matches_eager(runners, mode):
             assert torch.equal(ours[id(p)], want), "a parameter update differs from eager"
 
 
+def test_a_learning_rate_schedule_replays_through_scalar_feeds(runners):
+    """A learning rate that changes every step is a Python number fed per iteration
+    (terra::feed_scalar): the recorded scripts carry it (Script.scalars), and the replayed steps
+    update the parameters exactly as eager did, each with its own learning rate."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    ours = {id(p): p.detach().clone() for p in params}
+    gen = torch.Generator().manual_seed(5)
+    steps = []
+    for k in range(4):
+        opt.param_groups[0]["lr"] = 0.1 / (k + 1)
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        rec = graph.record(train_step, model, opt, x, y)
+        steps.append((rec, [p.detach().clone() for p in params]))
+    plan = _runtime.Plan([rec for rec, _ in steps])
+    assert "terra::feed_scalar" in plan.text
+    runner = plan.runner()
+    runners.append(runner)
+    for rec, after in steps:
+        script = plan.script(rec, [ours.get(id(t), t) for t in rec.externals])
+        assert script.scalars  # the learning rate, once per parameter update
+        out = run_after_block(runner, script)
+        assert torch.equal(out.outputs[0], rec.outputs[0])
+        for p, want in zip(params, after):
+            assert torch.equal(ours[id(p)], want), "a parameter update differs from eager"
+
+
 # ---- cancellation, errors, shutdown -----------------------------------------------------------
 
 
