@@ -30,7 +30,8 @@ import torch
 
 from benchmarks.harness.runtime import Runtime, load_program
 
-REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int"})
+REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int",
+                            "feed_bool", "feed_int_list", "feed_float_list", "feed_number_list"})
 
 
 def _time_replays(runner: Any, scripts: list[Any], iters: int) -> float:

@@ -37,7 +37,8 @@ PHASES = ("tracing", "coexec", "eager")
 WAIT_S = 30.0  # a replayed iteration that takes longer than this is stuck, not slow
 # Channel ops a recorded script can serve (terra_torch._runtime.post / collect; Python numbers
 # fed per iteration too, Script.scalars). A graph with any other terra:: op would wait forever.
-REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int"})
+REPLAYABLE_OPS = frozenset({"feed", "feed_or_none", "case_select", "loop_cond", "fetch", "feed_scalar", "feed_int",
+                            "feed_bool", "feed_int_list", "feed_float_list", "feed_number_list"})
 
 
 class TerraRunner(Runner):

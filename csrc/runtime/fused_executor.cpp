@@ -19,6 +19,14 @@ namespace terra::runtime {
 
 namespace {
 
+// c10::Error's what() carries a stack trace after its message: a segment's reason keeps the
+// message ("index out of bounds: ..."), which is what explain() shows.
+std::string first_line(const char* what) {
+  std::string text(what);
+  const size_t end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
 using Loader = torch::inductor::AOTIModelPackageLoader;
 
 enum class State { kNew, kRequested, kCompiling, kLoaded, kTrusted, kInterpreted };
@@ -262,13 +270,17 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
   // kLoaded: the first compiled run, on copies of the arguments, checked against the
   // interpreter on the real inputs (whose results are the ones returned).
   std::vector<at::Tensor> copies;
-  for (const at::Tensor& a : call_arguments(s.plan, inputs)) copies.push_back(a.clone(at::MemoryFormat::Preserve));
+  // (Copies with the very strides of the originals: the compiled code assumes the plan's
+  // strides, and clone() makes a strided view that is not dense, such as one chunk of an LSTM's
+  // gates, contiguous; the check then failed every such segment on garbage reads.)
+  for (const at::Tensor& a : call_arguments(s.plan, inputs))
+    copies.push_back(at::empty_strided(a.sizes(), a.strides(), a.options()).copy_(a));
   std::optional<std::string> reason;
   std::vector<at::Tensor> got;
   try {
     got = loader->run(copies);
   } catch (const std::exception& e) {
-    reason = std::string("compiled code failed: ") + e.what();
+    reason = "compiled code failed: " + first_line(e.what());
   }
   std::vector<at::Tensor> want = s.interpret(inputs);
   double max_difference = 0;
@@ -318,7 +330,7 @@ void FusedExecutor::compiled(size_t index, const std::string& package_path) {
   try {
     loader = std::make_shared<Loader>(package_path);
   } catch (const std::exception& e) {
-    error = e.what();
+    error = first_line(e.what());
   }
   if (!loader) return failed(index, "loading the compiled package failed: " + error);
   std::lock_guard lock(impl_->mu);

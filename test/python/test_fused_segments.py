@@ -115,6 +115,40 @@ def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
     assert all(s["state"] == "loaded" for s in g2.segments)
 
 
+def test_an_input_that_is_a_strided_view_is_checked_on_its_own_strides() -> None:
+    # The batch is every other column of a wider tensor: not dense, so a clone() of it is
+    # contiguous. The compiled code assumes the strides of the call plan; the check's copies must
+    # keep them (an LSTM's gate chunks failed every check on garbage reads before).
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    g0 = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 16, generator=g0)[:, ::2]
+    y = torch.randint(0, 4, (5,), generator=g0)
+    assert x.stride() == (16, 2) and not x.clone().stride() == x.stride()
+    rec = _recorded_step(model, opt, x, y)
+    F.cross_entropy(eager_model(x), y).backward()
+    eager_opt.step()
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    eager_opt.zero_grad()
+    F.cross_entropy(eager_model(x), y).backward()
+    eager_opt.step()
+    g.compile_segments()
+    for _ in range(2):  # the check, then a compiled run
+        out = g.run(rec, mode="fused")
+        eager_opt.zero_grad()
+        loss = F.cross_entropy(eager_model(x), y)
+        loss.backward()
+        eager_opt.step()
+        torch.testing.assert_close(out.outputs[0], loss.detach(), rtol=1e-3, atol=1e-5)
+    report = g.segments
+    assert all(s["state"] == "trusted" for s in report), report
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+
+
 def test_compiled_code_that_disagrees_is_rejected() -> None:
     # Hand the executor code compiled from a body whose SGD step size is doubled: the check on
     # its first run must refuse it, and the results must stay the interpreter's (eager's).
