@@ -267,21 +267,29 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return loss
 
 
+def _recorded_sgd_steps(seed: int, lrs: list[float]):
+    """One recorded SGD step of an MLP per learning rate: (parameters, a copy of each for the
+    runner to train keyed by id, [(recording, the parameters after eager's step)])."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=lrs[0])
+    params = list(model.parameters())
+    ours = {id(p): p.detach().clone() for p in params}
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for lr in lrs:
+        opt.param_groups[0]["lr"] = lr
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        rec = graph.record(train_step, model, opt, x, y)
+        steps.append((rec, [p.detach().clone() for p in params]))
+    return params, ours, steps
+
+
 @pytest.mark.parametrize("mode", ["interpreter", "graph_executor"])
 def test_mlp_sgd_training_matches_eager(runners, mode):
     """The runner trains its own copy of the parameters: each step's graph updates the fed
     tensors in place, and after every iteration they equal eager's parameters bitwise."""
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    params = list(model.parameters())
-    ours = {id(p): p.detach().clone() for p in params}
-    gen = torch.Generator().manual_seed(3)
-    steps = []
-    for _ in range(4):
-        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        rec = graph.record(train_step, model, opt, x, y)
-        steps.append((rec, [p.detach().clone() for p in params]))
+    params, ours, steps = _recorded_sgd_steps(seed=3, lrs=[0.1] * 4)
     plan = _runtime.Plan([rec for rec, _ in steps])
     assert "aten::threshold_backward" in plan.text
     runner = plan.runner(mode)
@@ -299,18 +307,7 @@ def test_a_learning_rate_schedule_replays_through_scalar_feeds(runners):
     """A learning rate that changes every step is a Python number fed per iteration
     (terra::feed_scalar): the recorded scripts carry it (Script.scalars), and the replayed steps
     update the parameters exactly as eager did, each with its own learning rate."""
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    params = list(model.parameters())
-    ours = {id(p): p.detach().clone() for p in params}
-    gen = torch.Generator().manual_seed(5)
-    steps = []
-    for k in range(4):
-        opt.param_groups[0]["lr"] = 0.1 / (k + 1)
-        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        rec = graph.record(train_step, model, opt, x, y)
-        steps.append((rec, [p.detach().clone() for p in params]))
+    params, ours, steps = _recorded_sgd_steps(seed=5, lrs=[0.1 / (k + 1) for k in range(4)])
     plan = _runtime.Plan([rec for rec, _ in steps])
     assert "terra::feed_scalar" in plan.text
     runner = plan.runner()
