@@ -9,8 +9,8 @@ compiled segments have their own cache, terra_torch/_fused.py). One file per pro
 
 The key names what the traces are valid for: the program's name, the code object of the frame
 that calls it (file, qualified name, first line), the module's structure (submodule types,
-parameter and buffer names, shapes, dtypes, devices), torch's and terra_torch's versions and
-Python's. Inside, the file records the source files the traces' locations run through and a hash
+parameter and buffer names, shapes, dtypes, devices) or, for a step function, its first call's
+arguments, torch's and terra_torch's versions and Python's. Inside, the file records the source files the traces' locations run through and a hash
 of each: one that changed makes the entry stale. (Locations themselves are built from code
 identities, bytecode included: capture/program_location.h. A change the file hashes miss still
 only costs a divergence and a fallback, never a wrong number: co-execution checks every op.)
@@ -78,6 +78,19 @@ def module_structure(module: torch.nn.Module) -> list[Any]:
         for name, t in tensors:
             out.append([kind, name, list(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad)])
     return out
+
+
+def argument_structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """What a step function's traces depend on in its first call's arguments: tensors' shapes,
+    dtypes and devices, modules' structure (module_structure), other values' types."""
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ["tensor", list(v.shape), str(v.dtype), str(v.device), bool(v.requires_grad)]
+        if isinstance(v, torch.nn.Module):
+            return ["module", module_structure(v)]
+        return ["value", f"{type(v).__module__}.{type(v).__qualname__}"]
+
+    return [describe(a) for a in args] + [[k, describe(v)] for k, v in sorted(kwargs.items())]
 
 
 def _code_name(code: CodeType) -> list[Any]:

@@ -201,10 +201,15 @@ def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool | str 
     folder = _warm_start.directory_from(warm_start)
 
     def decorate(f: F) -> F:
-        program = Program(getattr(f, "__qualname__", "function"), mode, optimize, speed_check, folder)
+        # Warm start: the entry is named at the first call, by the arguments it got then.
+        first_call: list[Any] = []
+        program = Program(getattr(f, "__qualname__", "function"), mode, optimize, speed_check, folder,
+                          lambda: first_call[0])
 
         @functools.wraps(f)
         def step(*args: Any, **kwargs: Any) -> Any:
+            if folder is not None and not first_call:
+                first_call.append(_warm_start.argument_structure(args, kwargs))
             program.begin(runtime._stop_frame())
             return f(*args, **kwargs)
 
