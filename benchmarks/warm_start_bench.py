@@ -43,7 +43,8 @@ def _settled(program: Any) -> tuple[bool, int]:
         return False, 0
     report = list(fused.report())
     waiting = any(r["state"] in ("requested", "compiling", "loaded") for r in report)
-    return bool(report) and not waiting, sum(r["state"] == "trusted" for r in report)
+    done = sum(r["state"] in ("trusted", "interpreted") for r in report)  # ("new": has not run yet)
+    return done > 0 and not waiting, sum(r["state"] == "trusted" for r in report)
 
 
 def child(name: str, folder: str, steps: int, optimize: str) -> dict[str, Any]:
