@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from terra_torch import _C
+from terra_torch import _C, _fused
 
 logger = logging.getLogger("terra_torch")
 
@@ -114,6 +114,8 @@ class DirectGraph:
     # deferred worker, and the recorded outputs the buffers are shaped like (fetch slot order).
     deferred: Any = None  # _C.runtime.DirectGraph(into_buffers=True)
     like: list[torch.Tensor] = field(default_factory=list)
+    # optimize="fused": compiles the graph's segments in the background (terra_torch/_fused.py).
+    compiler: Any = None
 
     def __post_init__(self) -> None:
         self._flat_tuple = self.spec.type is tuple and self.spec.num_children == self.spec.num_leaves
@@ -134,10 +136,19 @@ class DirectGraph:
         return pytree.tree_unflatten(values, self.spec)
 
     def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.stop(timeout=2.0)
+            self.compiler = None
         if self.deferred is not None:
             _C.runtime.wait_direct()  # a queued run still uses the graph's code
         self.graph = self.deferred = None  # the interpreter's code and the constants go with it
         self.like = []
+
+    @property
+    def segments(self) -> list[dict[str, Any]] | None:
+        """optimize="fused": each compiled segment's report (FusedExecutor.report), else None."""
+        fused = self.graph.fused if self.graph is not None else None
+        return list(fused.report()) if fused is not None else None
 
 
 def defer_refusal(leaves: Sequence[Any], flat: Sequence[Any]) -> str | None:
@@ -173,7 +184,7 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool,
+def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool | str,
                      may_defer: bool = False) -> tuple[Any, DirectGraph | None, str | None]:
     """Run `gm` eagerly in a recording region and generate its graph.
 
@@ -204,18 +215,19 @@ def record_and_build(gm: torch.fx.GraphModule, flat: list[Any], optimize: bool,
 
 
 def _build(gm: torch.fx.GraphModule, flat: list[Any], region: Any, leaves: list[Any], spec: Any,
-           optimize: bool) -> DirectGraph:
+           optimize: bool | str) -> DirectGraph:
     tensor_ids = [id(a) for a in flat if isinstance(a, torch.Tensor)]
     if len(set(tensor_ids)) != len(tensor_ids):
         # Feeds name tensors by object: which of the positions a later call's value comes from
         # could not be told apart.
         raise DirectUnavailable("the same tensor is passed as several inputs")
-    plan = _C.runtime.Plan([region], optimize)
+    plan = _C.runtime.Plan([region], optimize is True)
     unserved = sorted(set(re.findall(r"terra::(\w+)", plan.text)) - _SERVED_OPS)
     if unserved:
         raise DirectUnavailable(f"its graph takes input through {', '.join(unserved)}")
     _, feeds, fetches, _scalars = plan.script(0)
-    graph = _C.runtime.DirectGraph(plan)
+    fused = optimize == "fused"
+    graph = _C.runtime.DirectGraph(plan, "fused" if fused else "interpreter")
     sources = _feed_sources(gm, flat, dict(feeds))
     result_of_tag = {tag: graph.fetch_slots.index(slot) for slot, tag in fetches}
     outputs: list[_Output] = []
@@ -227,12 +239,19 @@ def _build(gm: torch.fx.GraphModule, flat: list[Any], region: Any, leaves: list[
         else:
             outputs.append(_Output(value=leaf))
     identity = [o.index for o in outputs] == list(range(len(outputs)))
-    return DirectGraph(graph, [sources[slot] for slot in graph.feed_slots], outputs, spec, mutated_inputs(gm),
-                       identity, "as_strided" in plan.text)
+    direct = DirectGraph(graph, [sources[slot] for slot in graph.feed_slots], outputs, spec, mutated_inputs(gm),
+                         identity, "as_strided" in plan.text)
+    if fused:
+        # The executor, not the graph, is what the thread holds: close() stops the thread.
+        executor = graph.fused
+        direct.compiler = _fused.SegmentCompiler(lambda: executor)
+    return direct
 
 
-def _make_deferred(graph: DirectGraph, region: Any, leaves: list[Any], optimize: bool) -> None:
-    plan = _C.runtime.Plan([region], optimize)
+def _make_deferred(graph: DirectGraph, region: Any, leaves: list[Any], optimize: bool | str) -> None:
+    plan = _C.runtime.Plan([region], optimize is True)
+    # (Overlap runs stay interpreted: a deferred graph writes into buffers Python already holds,
+    # and its compiled segments would need a compiler of their own.)
     deferred = _C.runtime.DirectGraph(plan, "interpreter", True)
     if list(deferred.feed_slots) != list(graph.graph.feed_slots):
         raise DirectUnavailable("the deferred graph's feeds differ")  # the same plan: never expected

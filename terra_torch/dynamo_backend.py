@@ -72,7 +72,10 @@ class TerraOptions:
     mode: "graph" (each call feeds its inputs straight to the generated graph on terra's worker,
         no per-op Python), "coexec" (the graph runs on the worker while Python validates each
         op) or "lazy" (co-execution whose graph runs only when Python needs a value).
-    optimize: run TorchScript's optimization passes on the generated graph.
+    optimize: True runs TorchScript's optimization passes on the generated graph; "fused"
+        compiles its straight-line segments with AOTInductor in the background (results within
+        a tolerance of eager, docs/RUNTIME.md "Compiled segments"; mode "graph" compiles each
+        Dynamo graph as one segment where its ops allow, "coexec"/"lazy" as wrap() does).
     overlap: mode "graph": a call of a graph without side effects returns before its graph has
         run; the first op of the program that follows waits for it. Off by default: in every
         program measured the next op came too soon to hide the hand-off to the worker thread
@@ -80,7 +83,7 @@ class TerraOptions:
     """
 
     mode: str = "graph"
-    optimize: bool = False
+    optimize: bool | str = False
     overlap: bool = False
 
 
@@ -111,7 +114,7 @@ def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
         raise TerraBackendOptionError(
             f"terra backend: unknown option(s) {', '.join(map(repr, unknown))}; allowed options: "
             f"mode ({' | '.join(map(repr, MODES))}, default {OPTION_DEFAULTS['mode']!r}), "
-            f"optimize (bool, default {OPTION_DEFAULTS['optimize']!r}), "
+            f"optimize (bool or 'fused', default {OPTION_DEFAULTS['optimize']!r}), "
             f"overlap (bool, default {OPTION_DEFAULTS['overlap']!r})")
     mode = merged.get("mode", OPTION_DEFAULTS["mode"])
     if mode not in MODES:
@@ -121,12 +124,10 @@ def parse_options(kwargs: Mapping[str, Any]) -> TerraOptions:
     flags = {name: merged.get(name, OPTION_DEFAULTS[name]) for name in ("optimize", "overlap")}
     for name, value in flags.items():
         if name == "optimize" and value == "fused":
-            raise TerraBackendOptionError(
-                "terra backend: optimize='fused' (compiled segments) is not supported by the torch.compile "
-                "backend yet; terra_torch.wrap(model, optimize='fused') and terra_torch.function(step, "
-                "optimize='fused') are (docs/RUNTIME.md, \"Compiled segments\")")
+            continue
         if not isinstance(value, bool):
-            raise TerraBackendOptionError(f"terra backend: {name} must be a bool, got {value!r}")
+            kinds = "a bool or 'fused'" if name == "optimize" else "a bool"
+            raise TerraBackendOptionError(f"terra backend: {name} must be {kinds}, got {value!r}")
     return TerraOptions(mode=mode, **flags)
 
 

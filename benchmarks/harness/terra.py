@@ -241,7 +241,9 @@ class GraphOnlyRunner(Runner):
 
         loss = step(state, i)
         snapshots = [_snapshot(state)]
+        rng_states = []  # the CPU generator before each recorded iteration (see _replay_check)
         for k in range(1, self.RECORDED + 1):
+            rng_states.append(torch.get_rng_state())
             self._recordings.append(graph.record(step, state, i + k))
             snapshots.append(_snapshot(state))
         plan = _runtime.Plan(self._recordings, optimize=False)  # wrap's default: optimize=False
@@ -253,7 +255,7 @@ class GraphOnlyRunner(Runner):
                 + ", which recorded scripts (terra_torch._runtime.Plan.script) do not provide; "
                 "see the derived graph-only figure from the terra cell")
         self._runner = plan.runner("fused" if self.fused else "interpreter")
-        self._check = _replay_check(plan, self._runner, self._recordings, snapshots)
+        self._check = _replay_check(plan, self._runner, self._recordings, snapshots, rng_states)
         self._scripts = [plan.script(r) for r in self._recordings]
         self._plan_info = {
             "recorded_iterations": len(self._recordings), "sites": len(plan.sites),
@@ -385,9 +387,21 @@ def _short(key: Any, index: int) -> str:
     return repr(key) if isinstance(key, (str, int)) else f"#{index} {type(key).__name__}"
 
 
-def _replay_check(plan: Any, runner: Any, recordings: list[Any],
-                  snapshots: list[Snapshot]) -> dict[str, Any]:
-    """Replay recording k from snapshot k's copies; compare with eager (snapshot k+1), bitwise."""
+def _replay_check(plan: Any, runner: Any, recordings: list[Any], snapshots: list[Snapshot],
+                  rng_states: list[torch.Tensor] | None = None) -> dict[str, Any]:
+    """Replay recording k from snapshot k's copies; compare with eager (snapshot k+1), bitwise.
+    `rng_states[k]`: the CPU generator's state when recording k began, restored before its
+    replay, so that a program's random draws (a GAN's noise, dropout) are eager's again; the
+    generator's state after the check is the one it had before."""
+    resume = torch.get_rng_state()
+    try:
+        return _replay_check_each(plan, runner, recordings, snapshots, rng_states)
+    finally:
+        torch.set_rng_state(resume)
+
+
+def _replay_check_each(plan: Any, runner: Any, recordings: list[Any], snapshots: list[Snapshot],
+                       rng_states: list[torch.Tensor] | None) -> dict[str, Any]:
     from terra_torch import _runtime
 
     loss_ok = 0
@@ -410,6 +424,8 @@ def _replay_check(plan: Any, runner: Any, recordings: list[Any],
             later = after.get(id(t))
             if later is not None and later[1] is t:
                 compare.append((entry[0], copy, later[2]))
+        if rng_states is not None:
+            torch.set_rng_state(rng_states[k])
         try:
             out = _runtime.run_iteration(runner, plan.script(rec, copies), WAIT_S)
         except TimeoutError as exc:

@@ -361,9 +361,13 @@ void init_runtime(py::module_& m) {
 
   py::class_<DirectGraph, std::shared_ptr<DirectGraph>>(r, "DirectGraph")
       .def(py::init([](const Plan& plan, const std::string& mode, bool into_buffers) {
-             return std::make_shared<DirectGraph>(plan.graph(), parse_mode(mode), into_buffers);
+             const bool fused = mode == "fused";
+             return std::make_shared<DirectGraph>(plan.graph(), fused ? runtime::TorchScriptMode::kInterpreter : parse_mode(mode),
+                                                  into_buffers, fused);
            }),
-           py::arg("plan"), py::arg("mode") = "interpreter", py::arg("into_buffers") = false)
+           py::arg("plan"), py::arg("mode") = "interpreter", py::arg("into_buffers") = false,
+           "mode: 'interpreter', 'graph_executor' or 'fused' (compiled segments, runtime/fused_executor.h)")
+      .def_property_readonly("fused", &DirectGraph::fused, "the FusedExecutor of mode 'fused' (else None)")
       .def("launch", &runtime::launch_direct, py::arg("inputs"), py::arg("like"),
            "Queue a run on the deferred worker; returns output buffers shaped like `like`, filled when "
            "the run ends (the next op of any Python thread waits for that)")

@@ -20,6 +20,8 @@
 #include <utility>
 
 #include "emit/channel.h"
+#include "emit/segments.h"
+#include "runtime/fused_executor.h"
 #include "runtime/gil_release.h"
 
 namespace terra::runtime {
@@ -47,13 +49,22 @@ int64_t slot_of(torch::jit::Node* n) {
 
 }  // namespace
 
-DirectGraph::DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, TorchScriptMode mode, bool into_buffers)
+DirectGraph::DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, TorchScriptMode mode, bool into_buffers,
+                         bool fused)
     : into_buffers_(into_buffers) {
   TORCH_CHECK(generated != nullptr, "terra_torch: DirectGraph needs a graph");
   graph_ = generated->copy();
   lift_channel_ops();
-  executor_ = std::make_unique<TorchScriptExecutor>(graph_, mode);
+  if (fused) {
+    // Every input is at hand when the graph starts (no channel waits): feeds end no segment.
+    fused_ = std::make_shared<FusedExecutor>(graph_, emit::SegmentOptions{.feeds_ready = true});
+    executor_ = fused_;
+  } else {
+    executor_ = std::make_shared<TorchScriptExecutor>(graph_, mode);
+  }
 }
+
+DirectGraph::~DirectGraph() = default;
 
 std::string DirectGraph::text() const { return graph_->toString(); }
 

@@ -19,6 +19,8 @@
 
 namespace terra::runtime {
 
+class FusedExecutor;
+
 // A generated graph of one straight-line trace, rewritten so that its feeds are graph inputs
 // and its fetches graph outputs, and run on the calling thread. Outputs leave by reference, so
 // views and shared memory survive, where a fetch would publish a copy.
@@ -26,9 +28,16 @@ class DirectGraph {
  public:
   // `into_buffers`: fetches become copies into extra inputs (one buffer per fetch slot, after
   // the feeds) instead of outputs, so that a deferred run can write values Python already holds.
-  DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, TorchScriptMode mode, bool into_buffers);
+  // `fused`: run through a FusedExecutor (runtime/fused_executor.h) instead of the TorchScript
+  // interpreter: with feeds and fetches lifted, a graph is one straight-line stretch, so it is
+  // cut into as few segments as its random ops and aliases allow; `mode` is then unused.
+  DirectGraph(const std::shared_ptr<torch::jit::Graph>& generated, TorchScriptMode mode, bool into_buffers,
+              bool fused = false);
+  ~DirectGraph();
 
   bool into_buffers() const { return into_buffers_; }
+  // The FusedExecutor of a `fused` graph, for its compiler; else null.
+  const std::shared_ptr<FusedExecutor>& fused() const { return fused_; }
   const std::vector<int64_t>& feed_slots() const { return feed_slots_; }
   const std::vector<int64_t>& fetch_slots() const { return fetch_slots_; }
   std::string text() const;
@@ -46,7 +55,8 @@ class DirectGraph {
 
   bool into_buffers_ = false;
   std::shared_ptr<torch::jit::Graph> graph_;
-  std::unique_ptr<TorchScriptExecutor> executor_;
+  std::shared_ptr<Executor> executor_;
+  std::shared_ptr<FusedExecutor> fused_;  // executor_, when fused
   std::vector<int64_t> feed_slots_;
   std::vector<int64_t> fetch_slots_;
 };

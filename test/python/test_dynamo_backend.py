@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -342,8 +343,7 @@ def test_unknown_option_is_rejected_with_the_allowed_ones():
 @pytest.mark.parametrize("kwargs, message", [
     ({"options": {"mode": "fast"}}, "mode must be one of 'graph', 'coexec', 'lazy'"),
     ({"mode": "max-autotune"}, "mode must be one of"),  # torch.compile(mode=...) arrives as `mode`
-    ({"options": {"optimize": "yes"}}, "optimize must be a bool"),
-    ({"options": {"optimize": "fused"}}, "not supported by the torch.compile backend yet"),
+    ({"options": {"optimize": "yes"}}, "optimize must be a bool or 'fused'"),
     ({"options": {"overlap": 1}}, "overlap must be a bool"),
     ({"options": {"mode": "lazy"}, "mode": "coexec"}, "given twice"),
     ({"optimise": True}, "unknown option"),
@@ -352,6 +352,48 @@ def test_bad_options_are_rejected(kwargs, message):
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     with pytest.raises(dynamo_backend.TerraBackendOptionError, match=message):
         dynamo_backend.terra_backend(gm, [torch.randn(1, 2)], **kwargs)
+
+
+def test_fused_option_runs_each_graph_compiled_within_tolerance(tmp_path, monkeypatch):
+    """options={"optimize": "fused"}: mode "graph" runs each Dynamo graph through compiled
+    segments once they are compiled (in the background) and checked; until then interpreted.
+    Within torch.compile's kind of tolerance of eager throughout."""
+    import copy
+
+    monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="terra", options={"optimize": "fused"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+
+    def step(i: int) -> None:
+        x, y = DATASET[i % len(DATASET)]
+        for net, o in ((compiled, opt), (twin, twin_opt)):
+            loss = F.mse_loss(net(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            if net is compiled:
+                got = loss.detach()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-3, atol=1e-5)
+
+    for i in range(3):  # recorded, then the direct graphs' first (interpreted) runs request compiling
+        step(i)
+    direct = [d for g in dynamo_backend.graphs() for d in g.direct.values()]
+    assert direct and all(d.segments for d in direct)
+    deadline = time.monotonic() + 600
+    while any(s["state"] in ("requested", "compiling") for d in direct for s in d.segments):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for i in range(3, 10):
+        step(i)
+    segments = [s for d in direct for s in d.segments]
+    assert all(s["state"] == "trusted" for s in segments), segments
+    assert all(s["compiled_runs"] >= 6 for s in segments)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
 
 
 def test_torch_compile_mode_shortcut():
