@@ -154,9 +154,10 @@ class KeptProgram:
         self.path = folder / f"{self.key}.json"
         self.name = name
 
-    def _ignore(self, why: str) -> None:
+    def ignore(self, why: str) -> None:
+        """The one warning of an entry that cannot be used: it is traced again and kept anew."""
         warnings.warn(f"terra_torch: ignoring the kept program {self.path} of {self.name} ({why}); "
-                      "tracing it again and keeping it anew", stacklevel=4)
+                      "tracing it again and keeping it anew", stacklevel=5)
 
     def load(self) -> str | None:
         """The kept program's text, or None: no entry (a cold start), or one ignored with a
@@ -166,7 +167,7 @@ class KeptProgram:
         except FileNotFoundError:
             return None
         except OSError as e:
-            self._ignore(f"unreadable: {e}")
+            self.ignore(f"unreadable: {e}")
             return None
         try:
             entry = json.loads(raw)
@@ -174,15 +175,15 @@ class KeptProgram:
             if not isinstance(program, str) or not isinstance(files, dict):
                 raise TypeError("wrong field types")
         except (ValueError, KeyError, TypeError) as e:
-            self._ignore(f"corrupt: {e}")
+            self.ignore(f"corrupt: {e}")
             return None
         if identity != self.identity:
             differs = sorted(k for k in set(identity) | set(self.identity) if identity.get(k) != self.identity.get(k))
-            self._ignore(f"foreign: made for another {', '.join(differs)}")
+            self.ignore(f"foreign: made for another {', '.join(differs)}")
             return None
         changed = [p for p, digest in files.items() if _file_hash(p) != digest]
         if changed:
-            self._ignore(f"stale: {changed[0]} changed since it was kept")
+            self.ignore(f"stale: {changed[0]} changed since it was kept")
             return None
         return program
 

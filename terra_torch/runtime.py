@@ -25,7 +25,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,10 +152,9 @@ class Program:
         self._structure = structure
         self._kept: _warm_start.KeptProgram | None = None
         self._kept_refused = False
-        self._session = _C.runtime.Session("lazy" if mode == "lazy" else "coexec", optimize is True, fused,
-                                           self._warm_folder is not None)
         self._session_args = ("lazy" if mode == "lazy" else "coexec", optimize is True, fused,
                               self._warm_folder is not None)
+        self._session = _C.runtime.Session(*self._session_args)
         # optimize="fused": segments compile in the background (terra_torch/_fused.py). The thread
         # holds the program weakly and ends with it.
         self._compiler = _fused.SegmentCompiler(_fused_source(weakref.ref(self))) if fused else None
@@ -210,7 +208,8 @@ class Program:
             if self._speed_pending is not None and self._last_begin_ns:
                 self._speed_observe(self._speed_pending, (start - self._last_begin_ns) / 1e9)
             self._speed_pending, self._last_begin_ns = None, start
-            if self._warm_folder is not None and self._kept is None:
+            if self._warm_folder is not None and self._kept is None and self.phase == "tracing":
+                # (not for a program already sent to eager, e.g. an unsupported DDP wrapper)
                 self._warm_start(_user_frame(sys._getframe(1)))
             self._region_phase = self.phase
             self._t0 = start
@@ -337,9 +336,8 @@ class Program:
         try:
             self._session.import_program(text)
             self._session.build()
-        except (ValueError, RuntimeError) as e:
-            warnings.warn(f"terra_torch: ignoring the kept program {kept.path} of {self.name} ({e}); "
-                          "tracing it again and keeping it anew", stacklevel=4)
+        except (ValueError, RuntimeError) as e:  # (an operator unknown here, a graph it cannot build)
+            kept.ignore(str(e))
             self._session = _C.runtime.Session(*self._session_args)
             return
         info.update(loaded=True, traces=self._session.num_traces, load_s=time.perf_counter() - t0)
