@@ -129,6 +129,8 @@ void init_fused(py::module_& m) {
                d["compiled_runs"] = s.compiled_runs;
                d["interpreted_runs"] = s.interpreted_runs;
                d["max_difference"] = s.max_difference;
+               d["compiled_us"] = s.compiled_us;  // the speed trial's medians (0 before it ends)
+               d["interpreted_us"] = s.interpreted_us;
                out.append(d);
              }
              return out;

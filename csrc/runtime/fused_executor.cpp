@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <sstream>
 #include <unordered_map>
 #include <variant>
@@ -195,6 +197,11 @@ struct SegmentState {
   std::shared_ptr<Loader> loader;
   double max_difference = 0;
   std::atomic<int64_t> compiled_runs{0}, interpreted_runs{0};
+  // The speed trial of a trusted segment (FusedExecutor::kTrialRuns), nanoseconds per run; it
+  // has ended once `trial_done` is set (read without the lock by the segment's runs).
+  std::vector<int64_t> trial_compiled, trial_interpreted;
+  std::atomic<bool> trial_done{false};
+  double compiled_us = 0, interpreted_us = 0;
 
   explicit SegmentState(emit::Segment s)
       : segment(std::move(s)), code(segment.body, "terra_segment"), written(written_inputs(*segment.body)) {}
@@ -234,6 +241,67 @@ std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
   return impl_->outer->run(std::move(inputs));
 }
 
+double FusedExecutor::min_speedup() {
+  // (Read at each trial's end, a handful of times per segment: a test or a user can change it.)
+  const char* v = std::getenv("TERRA_FUSED_MIN_SPEEDUP");
+  return v != nullptr && *v != '\0' ? std::max(0.0, std::atof(v)) : 1.0;
+}
+
+namespace {
+
+// A trusted segment's run during its speed trial: compiled and interpreted in turns, timed;
+// the last one decides whether compiled code stays (FusedExecutor::min_speedup).
+std::vector<at::Tensor> trial_run(std::mutex& mu, SegmentState& s, Loader& loader, const std::vector<at::Tensor>& inputs) {
+  constexpr int kTrialRuns = FusedExecutor::kTrialRuns;
+  const double wanted = FusedExecutor::min_speedup();
+  bool compiled_turn;
+  {
+    std::lock_guard lock(mu);
+    compiled_turn = s.trial_compiled.size() <= s.trial_interpreted.size();
+  }
+  if (wanted <= 0) {
+    s.trial_done.store(true, std::memory_order_release);
+    compiled_turn = true;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> out;
+  if (compiled_turn) {
+    s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
+    out = loader.run(call_arguments(s.plan, inputs));
+  } else {
+    out = s.interpret(inputs);
+  }
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (wanted <= 0) return out;
+  std::lock_guard lock(mu);
+  (compiled_turn ? s.trial_compiled : s.trial_interpreted).push_back(ns);
+  if (static_cast<int>(s.trial_interpreted.size()) < kTrialRuns || static_cast<int>(s.trial_compiled.size()) < kTrialRuns)
+    return out;
+  auto median_us = [](std::vector<int64_t>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2] / 1e3;
+  };
+  s.compiled_us = median_us(s.trial_compiled);
+  s.interpreted_us = median_us(s.trial_interpreted);
+  if (s.compiled_us * wanted > s.interpreted_us) {
+    std::ostringstream why;
+    why.precision(3);
+    if (wanted == 1.0)
+      why << "compiled code was slower than the interpreter: ";
+    else
+      why << "compiled code was not " << wanted << " times as fast as the interpreter (TERRA_FUSED_MIN_SPEEDUP): ";
+    why << s.compiled_us << " us against " << s.interpreted_us << " us per run (medians of " << kTrialRuns
+        << " runs each, taken in turns)";
+    s.state = State::kInterpreted;
+    s.reason = why.str();
+    s.loader.reset();
+  }
+  s.trial_done.store(true, std::memory_order_release);
+  return out;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at::Tensor> inputs) {
   TORCH_CHECK(index < impl_->segments.size(), "terra_torch: no segment ", index);
   SegmentState& s = *impl_->segments[index];
@@ -264,6 +332,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
   if (state != State::kTrusted && state != State::kLoaded) return s.interpret(inputs);
   if (!fits(s.plan, inputs, s.written)) return s.interpret(inputs);  // (another batch size: later)
   if (state == State::kTrusted) {
+    if (!s.trial_done.load(std::memory_order_acquire)) return trial_run(impl_->mu, s, *loader, inputs);
     s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
     return loader->run(call_arguments(s.plan, inputs));
   }
@@ -306,6 +375,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
   }
   return want;
 }
+
 
 std::optional<CompileRequest> FusedExecutor::next_request(std::chrono::nanoseconds wait) {
   std::unique_lock lock(impl_->mu);
@@ -353,7 +423,7 @@ std::vector<SegmentReport> FusedExecutor::report() const {
   std::vector<SegmentReport> out;
   for (const auto& s : impl_->segments) {
     out.push_back({s->segment.num_ops, name_of(s->state), s->reason, s->compiled_runs.load(),
-                   s->interpreted_runs.load(), s->max_difference});
+                   s->interpreted_runs.load(), s->max_difference, s->compiled_us, s->interpreted_us});
   }
   return out;
 }

@@ -9,7 +9,11 @@
 //   compiling --compiled(path): package loaded--> loaded | --failed(reason)--> interpreted
 //   loaded --next run with the same plan: compiled on copies of the inputs, interpreted on
 //            the real ones, results and written inputs compared--> trusted | rejected
-//   trusted: compiled whenever the inputs' plan is the compiled one, else interpreted.
+//   trusted: compiled whenever the inputs' plan is the compiled one, else interpreted. Its
+//            first 2 * kTrialRuns runs with that plan alternate compiled and interpreted code,
+//            timed: compiled code slower than min_speedup() times the interpreter's (medians)
+//            leaves the segment interpreted, with both times in the reason (a small segment
+//            can cost more in the call into compiled code than its few kernels save).
 //
 // The compiler is Python (terra_torch/_fused.py: the body as an FX graph, exported and compiled
 // by AOTInductor into a package); the package's code is loaded and run here without the GIL
@@ -95,6 +99,8 @@ struct SegmentReport {
   int64_t compiled_runs = 0;
   int64_t interpreted_runs = 0;
   double max_difference = 0;  // in the check: largest |compiled - interpreted|
+  // The speed trial's medians, microseconds per run (0 until the trial ended).
+  double compiled_us = 0, interpreted_us = 0;
 };
 
 class FusedExecutor final : public Executor {
@@ -104,6 +110,11 @@ class FusedExecutor final : public Executor {
   // allow about this much for reordered reductions and fused pointwise code.
   static constexpr double kRelTolerance = 1e-3;
   static constexpr double kAbsTolerance = 1e-5;
+  // Runs of each kind in a trusted segment's speed trial.
+  static constexpr int kTrialRuns = 8;
+  // How much faster than the interpreter compiled code must be to stay: TERRA_FUSED_MIN_SPEEDUP
+  // (default 1.0; 0 keeps every checked segment compiled without a trial).
+  static double min_speedup();
 
   explicit FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emit::SegmentOptions& options = {});
   ~FusedExecutor() override;

@@ -58,6 +58,9 @@ def _recorded_with_eager_twin():
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path / "cache"))
+    # No speed trial (FusedExecutor::min_speedup) unless a test asks: the states these tests
+    # expect must not depend on this machine's timing.
+    monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "0")
 
 
 def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
@@ -147,6 +150,44 @@ def test_an_input_that_is_a_strided_view_is_checked_on_its_own_strides() -> None
     assert all(s["state"] == "trusted" for s in report), report
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+
+
+def test_compiled_code_not_fast_enough_goes_back_to_the_interpreter(monkeypatch) -> None:
+    # The speed trial: a trusted segment's next runs alternate compiled and interpreted code,
+    # timed; compiled code that is not TERRA_FUSED_MIN_SPEEDUP times as fast (here an
+    # impossible million) is dropped, with both medians in the reason, and the runs after it
+    # are the interpreter's, bitwise like eager.
+    monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "1000000")
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
+
+    def eager_step() -> torch.Tensor:
+        eager_opt.zero_grad()
+        loss = F.cross_entropy(eager_model(x), y)
+        loss.backward()
+        eager_opt.step()
+        return loss.detach()
+
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    eager_step()
+    g.compile_segments()
+    trial = 1 + 2 * 8  # the check, then FusedExecutor::kTrialRuns runs of each kind
+    for _ in range(trial):
+        torch.testing.assert_close(g.run(rec, mode="fused").outputs[0], eager_step(), rtol=1e-3, atol=1e-5)
+    report = g.segments
+    assert all(s["state"] == "interpreted" for s in report), report
+    assert all("not 1e+06 times as fast" in s["reason"] for s in report), report
+    assert all(s["compiled_us"] > 0 and s["interpreted_us"] > 0 for s in report)
+    assert all(s["compiled_runs"] == 8 for s in report)
+    # From here on eager's numbers bit for bit, starting from where the compiled runs left off.
+    with torch.no_grad():
+        for p, q in zip(eager_model.parameters(), model.parameters()):
+            p.copy_(q)
+    for _ in range(2):
+        out = g.run(rec, mode="fused")
+        assert torch.equal(out.outputs[0], eager_step())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p, q)
 
 
 def test_compiled_code_that_disagrees_is_rejected() -> None:
