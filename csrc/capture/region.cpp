@@ -198,7 +198,12 @@ std::optional<ValueRef> Region::find_produced(const at::Tensor& t) const {
   return std::nullopt;
 }
 
-ValueRef Region::reference(const at::Tensor& t, uint64_t reader) {
+uint64_t Region::Reader::hash() const {
+  return trace::hash_combine(trace::hash_combine(location, static_cast<uint64_t>(argument)),
+                             static_cast<uint64_t>(list_index + 1));
+}
+
+ValueRef Region::reference(const at::Tensor& t, const Reader* reader) {
   if (std::optional<ValueRef> ref = find_produced(t)) return *ref;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_wrapped_number()) {
@@ -206,7 +211,7 @@ ValueRef Region::reference(const at::Tensor& t, uint64_t reader) {
     // beyond it: keep a copy (the graph reads it when it is fed), which is also the identity.
     // Not deduplicated by address: the next object at that address is another tensor.
     at::Tensor kept = copy_wrapped_number(t);
-    trace_.externals.push_back({meta_of(t), kept.unsafeGetTensorImpl(), reader, true});
+    trace_.externals.push_back({meta_of(t), kept.unsafeGetTensorImpl(), reader ? reader->hash() : 0, true});
     externals_alive_.push_back(std::move(kept));
     ValueRef ref;
     ref.external = static_cast<int32_t>(trace_.externals.size() - 1);
@@ -215,7 +220,7 @@ ValueRef Region::reference(const at::Tensor& t, uint64_t reader) {
   auto [ext, inserted] = external_index_.try_emplace(impl);
   if (inserted) {
     *ext = static_cast<int32_t>(trace_.externals.size());
-    trace_.externals.push_back({meta_of(t), impl, reader, false});
+    trace_.externals.push_back({meta_of(t), impl, reader ? reader->hash() : 0, false});
     externals_alive_.push_back(t);
   }
   ValueRef ref;
@@ -248,25 +253,23 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   uint64_t h = 0x5eed;
   // (emit::generalizes, without the emit layer: terra:: ops keep their scalars in the identity)
   const bool generalize = rec.op.operator_name().getNamespace() != "terra";
-  // (ExternalInput::first_reader; only hashed where an input is new to the region)
-  auto reader = [&rec](size_t i, int64_t k) {
-    return trace::hash_combine(trace::hash_combine(rec.location, i), static_cast<uint64_t>(k + 1));
-  };
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = args[i];
+    Reader reader{rec.location, static_cast<int64_t>(i), -1};
     if (v.isTensor()) {
-      if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor(), reader(i, -1))});
+      if (v.toTensor().defined()) rec.inputs.push_back({int32_t(i), -1, reference(v.toTensor(), &reader)});
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       for (size_t k = 0; k < list.size(); ++k) {
         at::Tensor e = list.get(k);
-        if (e.defined()) rec.inputs.push_back({int32_t(i), int32_t(k), reference(e, reader(i, int64_t(k)))});
+        reader.list_index = static_cast<int64_t>(k);
+        if (e.defined()) rec.inputs.push_back({int32_t(i), int32_t(k), reference(e, &reader)});
       }
     } else if (v.isOptionalTensorList()) {
       int32_t k = 0;
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor() && e.toTensor().defined())
-          rec.inputs.push_back({int32_t(i), k, reference(e.toTensor(), reader(i, k))});
+        reader.list_index = k;
+        if (e.isTensor() && e.toTensor().defined()) rec.inputs.push_back({int32_t(i), k, reference(e.toTensor(), &reader)});
         ++k;
       }
     }

@@ -94,8 +94,16 @@ class Region {
     ValueRef ref;
   };
 
-  // value_of() without the lock; `reader` names the op input reading it (ExternalInput::first_reader).
-  ValueRef reference(const at::Tensor& t, uint64_t reader = 0);
+  // The op input that reads a tensor: (location, argument, list index), hashed into
+  // ExternalInput::first_reader only where the tensor is a new external.
+  struct Reader {
+    uint64_t location = 0;
+    int64_t argument = -1;
+    int64_t list_index = -1;
+    uint64_t hash() const;
+  };
+  // value_of() without the lock; `reader` names the op input reading it, if known.
+  ValueRef reference(const at::Tensor& t, const Reader* reader = nullptr);
   std::optional<ValueRef> find_produced(const at::Tensor& t) const;  // produced() without the lock
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   // `walked`: the stack was walked without the GIL for this op (LocationTracker::walk_without_gil).

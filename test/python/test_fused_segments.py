@@ -55,6 +55,18 @@ def _recorded_with_eager_twin():
     return model, rec, eager_model, eager_opt, x, y
 
 
+def _eager_stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """The recorded step, eagerly on the twin: returns the loss."""
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path / "cache"))
@@ -85,13 +97,7 @@ def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
 def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
     model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
 
-    def eager_step() -> torch.Tensor:
-        eager_opt.zero_grad()
-        loss = F.cross_entropy(eager_model(x), y)
-        loss.backward()
-        eager_opt.step()
-        return loss.detach()
-
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
     g = graph.build([rec])
     g.run(rec, mode="fused")  # interpreted; requests compiling
     eager_step()
@@ -160,13 +166,7 @@ def test_compiled_code_not_fast_enough_goes_back_to_the_interpreter(monkeypatch)
     monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "1000000")
     model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
 
-    def eager_step() -> torch.Tensor:
-        eager_opt.zero_grad()
-        loss = F.cross_entropy(eager_model(x), y)
-        loss.backward()
-        eager_opt.step()
-        return loss.detach()
-
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
     g = graph.build([rec])
     g.run(rec, mode="fused")
     eager_step()
