@@ -100,6 +100,8 @@ def child(name: str, folder: str, steps: int, optimize: str) -> dict[str, Any]:
                               if first is not None else None),
         "iterations": s.iterations,
         "load_s": (s.warm_start or {}).get("load_s", 0.0),
+        "import_s": (s.warm_start or {}).get("import_s", 0.0),
+        "build_s": (s.warm_start or {}).get("build_s", 0.0),
         "loaded": (s.warm_start or {}).get("loaded", False),
         "total_s": end - starts[0],
         # (fused runs go on for more steps: their digests are not compared)
@@ -133,6 +135,8 @@ def bench(name: str, reps: int, steps: int, optimize: str) -> dict[str, Any]:
         out[kind] = {"first_coexec": median([r["first_coexec"] for r in rs]),
                      "seconds_to_coexec": median([r["seconds_to_coexec"] for r in rs]),
                      "load_s": median([r["load_s"] for r in rs]),
+                     "import_s": median([r["import_s"] for r in rs]),
+                     "build_s": median([r["build_s"] for r in rs]),
                      "loaded": all(r["loaded"] for r in rs),
                      "tracing_iterations": median([r["iterations"]["tracing"] for r in rs]),
                      "coexec_iterations": median([r["iterations"]["coexec"] for r in rs]),
@@ -172,7 +176,8 @@ def main() -> None:
                     if args.optimize == "fused" else "")
         print(f"{name:<12} {fmt(c['first_coexec'], '>16')} {fmt(c['seconds_to_coexec'], '>7.3f')} "
               f"{fmt(w['first_coexec'], '>16')} {fmt(w['seconds_to_coexec'], '>7.3f')} {fmt(w['load_s'], '>7.3f')}  "
-              f"{r['same_state']}{compiled}", flush=True)
+              f"{r['same_state']}  (load: merge {fmt(w['import_s'], '.3f')} s, generate {fmt(w['build_s'], '.3f')} s)"
+              f"{compiled}", flush=True)
     load_after = os.getloadavg()
     print(f"load after: {load_after}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

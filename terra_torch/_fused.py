@@ -45,9 +45,14 @@ log = logging.getLogger("terra_torch.fused")
 _COMPILER_VERSION = 3
 
 
+def cache_root() -> Path:
+    """terra_torch's cache folder: TERRA_CACHE_DIR, default ~/.cache/terra_torch (compiled
+    segments here, kept programs in _warm_start)."""
+    return Path(os.environ.get("TERRA_CACHE_DIR") or Path.home() / ".cache" / "terra_torch")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("TERRA_CACHE_DIR") or os.path.join(Path.home(), ".cache", "terra_torch")
-    return Path(root) / "segments"
+    return cache_root() / "segments"
 
 
 def _overload(name: str, overload: str) -> torch._ops.OpOverload:

@@ -39,16 +39,14 @@ from typing import Any, Iterator
 
 import torch
 
+from terra_torch import _fused
+
 logger = logging.getLogger("terra_torch")
 
 FORMAT = "terra_torch.kept_program/1"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 _FRAME = re.compile(r"^(.*):\d+ in [^:]*$")  # LocationTracker::describe: "file:line in function"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TERRA_CACHE_DIR") or Path.home() / ".cache" / "terra_torch")
 
 
 def directory_from(option: bool | str | os.PathLike[str] | None) -> Path | None:
@@ -61,7 +59,7 @@ def directory_from(option: bool | str | os.PathLike[str] | None) -> Path | None:
     if option is False:
         return None
     if option is True:
-        return cache_root() / "programs"
+        return _fused.cache_root() / "programs"
     if isinstance(option, (str, os.PathLike)):
         return Path(option)
     raise TypeError(f"terra_torch: warm_start must be a bool or a folder path, got {type(option).__name__}")

@@ -79,7 +79,8 @@ class Stats:
     speed_checks: list[dict[str, Any]] = field(default_factory=list)
     # Warm start (terra_torch/_warm_start.py), None when off: {"path", "loaded", "traces",
     # "load_s"} (traces kept by an earlier run and merged at the first iteration, and the
-    # seconds that took with generating their graph), plus "kept" (times this run saved it).
+    # seconds that took with generating their graph; of them "import_s" merging the traces and
+    # "build_s" generating the graph), plus "kept" (times this run saved it).
     warm_start: dict[str, Any] | None = None
 
 
@@ -327,15 +328,19 @@ class Program:
         structure = self._structure() if self._structure is not None else []
         kept = self._kept = _warm_start.KeptProgram(self._warm_folder, self.name,
                                                     user.f_code if user is not None else None, structure)
-        info: dict[str, Any] = {"path": str(kept.path), "loaded": False, "traces": 0, "load_s": 0.0, "kept": 0}
+        info: dict[str, Any] = {"path": str(kept.path), "loaded": False, "traces": 0, "load_s": 0.0,
+                                "import_s": 0.0, "build_s": 0.0, "kept": 0}
         self._stats.warm_start = info
         t0 = time.perf_counter()
         text = kept.load()
         if text is None:
             return
         try:
+            t1 = time.perf_counter()
             self._session.import_program(text)
+            t2 = time.perf_counter()
             self._session.build()
+            info.update(import_s=t2 - t1, build_s=time.perf_counter() - t2)
         except (ValueError, RuntimeError) as e:  # (an operator unknown here, a graph it cannot build)
             kept.ignore(str(e))
             self._session = _C.runtime.Session(*self._session_args)

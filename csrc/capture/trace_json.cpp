@@ -1,5 +1,7 @@
 #include "capture/trace_json.h"
 
+#include "capture/interceptor.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/UndefinedTensorImpl.h>
 
@@ -39,7 +41,7 @@ double double_of(int64_t b) {
 bool is_host_record(const OpRecord& rec) {
   if (!rec.inputs.empty()) return false;
   for (const c10::Argument& ret : rec.op.schema().returns())
-    if (ret.type()->kind() == c10::TypeKind::TensorType || ret.type()->containedTypes().size() > 0) return false;
+    if (type_contains_tensor(ret.type())) return false;
   return true;
 }
 

@@ -94,6 +94,22 @@ std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProg
   return out;
 }
 
+void append_scalar_posts(const EmittedGraph& emitted, trace::NodeId node, const capture::OpRecord& record,
+                         std::vector<std::pair<int64_t, int64_t>>& out) {
+  const auto uses = emitted.node_scalars.find(node);
+  if (uses == emitted.node_scalars.end()) return;
+  std::vector<int64_t> bits;
+  for (const auto& use : uses->second) {
+    if (use.slot < 0) continue;  // baked in
+    bits.clear();
+    if (!scalar_bits(record.attributes.at(use.attribute), use.kind, bits))
+      throw std::runtime_error("terra_torch: " + record.op.operator_name().name +
+                               " passes another kind of scalar than the graph feeds");
+    if (EmittedGraph::is_list(use.kind)) out.emplace_back(use.slot, static_cast<int64_t>(bits.size()));
+    for (const int64_t b : bits) out.emplace_back(use.slot, b);
+  }
+}
+
 ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index, const trace::Program& structured,
                                  const EmittedGraph& emitted, const capture::Trace& captured,
                                  std::span<const at::Tensor> externals) {
@@ -108,17 +124,11 @@ ScriptedChannel script_for_trace(const CapturedProgram& program, uint32_t index,
     throw std::invalid_argument("terra_torch: capture trace does not match trace " + std::to_string(index));
   for (const auto& [site, choice] : selections_for_trace(program, index, structured, emitted))
     script.push_selection(site, choice);
+  std::vector<std::pair<int64_t, int64_t>> scalars;
   for (size_t i = 0; i < captured.ops.size(); ++i) {
-    auto scalars = emitted.node_scalars.find(nodes[i]);
-    if (scalars != emitted.node_scalars.end())
-      for (const auto& use : scalars->second)
-        if (use.slot >= 0) {
-          std::vector<int64_t> bits;
-          if (!scalar_bits(captured.ops[i].attributes.at(use.attribute), use.kind, bits))
-            throw std::runtime_error("terra_torch: record " + std::to_string(i) + " passes another kind of scalar than the graph feeds");
-          if (EmittedGraph::is_list(use.kind)) script.push_scalar_bits(use.slot, static_cast<int64_t>(bits.size()));
-          for (const int64_t b : bits) script.push_scalar_bits(use.slot, b);
-        }
+    scalars.clear();
+    append_scalar_posts(emitted, nodes[i], captured.ops[i], scalars);
+    for (const auto& [slot, value] : scalars) script.push_scalar_bits(slot, value);
     uint32_t s = 0;  // slot numbering skips inputs that stand for None, as the translation does
     for (const capture::OpInput& input : captured.ops[i].inputs) {
       if (is_none_input(captured, input)) continue;

@@ -52,6 +52,13 @@ class ScriptedChannel final : public ChannelSource {
   std::vector<std::pair<int64_t, at::Tensor>> fetched_;
 };
 
+// What record `record` (merged into `node`) posts on the graph's scalar slots, in the channel's
+// order, appended to `out` as (slot, value): a float as its bits, an int or bool as itself, a
+// list as its length and then its elements (emitted_graph.h, ScalarUse). Throws
+// std::runtime_error if the record passes another kind of scalar than the graph feeds.
+void append_scalar_posts(const EmittedGraph& emitted, trace::NodeId node, const capture::OpRecord& record,
+                         std::vector<std::pair<int64_t, int64_t>>& out);
+
 // (site, choice) of every selected read trace `index` makes, in program order.
 std::vector<std::pair<int64_t, int64_t>> selections_for_trace(const CapturedProgram& program, uint32_t index,
                                                               const trace::Program& structured,

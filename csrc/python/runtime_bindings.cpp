@@ -134,23 +134,14 @@ class Plan {
     // Slot numbering skips None inputs, as the translation and the emitter do.
     py::list feeds, fetches, scalars;
     const auto& nodes = program_.record_nodes(index);
-    std::vector<int64_t> bits;
+    std::vector<std::pair<int64_t, int64_t>> posts;
     for (size_t i = 0; i < captured.ops.size(); ++i) {
       const capture::OpRecord& rec = captured.ops[i];
-      // Python numbers fed per execution (terra::feed_scalar / feed_int: emitted_graph.h,
-      // ScalarUse), posted as the channel takes them: a decision at kScalarKeyBase + slot per
-      // value, a list as its length and then its elements.
-      if (auto uses = emitted_.node_scalars.find(nodes[i]); uses != emitted_.node_scalars.end()) {
-        for (const auto& use : uses->second) {
-          if (use.slot < 0) continue;
-          bits.clear();
-          TORCH_CHECK(emit::scalar_bits(rec.attributes.at(use.attribute), use.kind, bits), "terra_torch: record ", i,
-                      " passes another kind of scalar than the graph feeds");
-          const int64_t key = runtime::kScalarKeyBase + use.slot;
-          if (emit::EmittedGraph::is_list(use.kind)) scalars.append(py::make_tuple(key, static_cast<int64_t>(bits.size())));
-          for (const int64_t b : bits) scalars.append(py::make_tuple(key, b));
-        }
-      }
+      // Python numbers fed per execution (terra::feed_scalar, feed_int, ...): the channel takes
+      // each as a decision at kScalarKeyBase + slot.
+      posts.clear();
+      emit::append_scalar_posts(emitted_, nodes[i], rec, posts);
+      for (const auto& [slot, value] : posts) scalars.append(py::make_tuple(runtime::kScalarKeyBase + slot, value));
       const bool read = emit::is_read_op(rec.op.schema());
       uint32_t s = 0;
       for (const capture::OpInput& input : rec.inputs) {

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <unordered_set>
+
 #include "capture/trace_json.h"
 #include "capture/value_checks.h"
 #include "emit/graph_emitter.h"
@@ -52,7 +54,6 @@ bool Session::add(const capture::Region& region) {
   }
   const uint32_t index = program_.add(region.trace());
   for (const uint64_t key : region.raised()) program_.add_check(key);  // checked first from now on
-  if (options_.keep_traces) keep(region.trace(), const_cast<capture::Region*>(&region));
   // Described now, while the region's code objects are at hand (needs the GIL, which the
   // caller holds): pictures label nodes with these frames.
   const auto& nodes = program_.record_nodes(index);
@@ -61,6 +62,7 @@ bool Session::add(const capture::Region& region) {
     if (!node_frames_[nodes[i]].empty()) continue;
     node_frames_[nodes[i]] = const_cast<capture::Region&>(region).locations().describe(region.trace().ops[i].location);
   }
+  if (options_.keep_traces) keep(region.trace());
   return covered;
 }
 
@@ -85,7 +87,7 @@ namespace {
 constexpr const char* kProgramFormat = "terra_torch.program/1";
 }  // namespace
 
-void Session::keep(const capture::Trace& trace, capture::Region* region) {
+void Session::keep(const capture::Trace& trace) {
   const auto token_of = [this](const void* identity) {
     const auto [it, inserted] = tokens_.try_emplace(identity, next_token_);
     if (inserted) ++next_token_;
@@ -97,12 +99,8 @@ void Session::keep(const capture::Trace& trace, capture::Region* region) {
     if (unkept_.empty()) unkept_ = e.what();
     return;
   }
-  for (const capture::OpRecord& rec : trace.ops) {
-    const uint64_t key = capture::check_key(rec.location, rec.op);
-    if (!kept_ops_.count(key)) kept_ops_.emplace(key, std::make_pair(rec.location, rec.op.operator_name()));
-    if (region != nullptr && !location_frames_.count(rec.location))
-      location_frames_.emplace(rec.location, region->locations().describe(rec.location));
-  }
+  for (const capture::OpRecord& rec : trace.ops)
+    kept_ops_.try_emplace(capture::check_key(rec.location, rec.op), rec.location, rec.op.operator_name());
 }
 
 std::string Session::export_program() const {
@@ -114,8 +112,13 @@ std::string Session::export_program() const {
     if (it != kept_ops_.end())
       checks.push_back({it->second.first, it->second.second.name, it->second.second.overload_name});
   }
+  // Pictures' frames by the location in each node's key (what import_program finds them by).
   nlohmann::json frames = nlohmann::json::array();
-  for (const auto& [location, lines] : location_frames_) frames.push_back({location, lines});
+  std::unordered_set<uint64_t> framed;
+  for (size_t n = 0; n < node_frames_.size() && n < program_.graph().num_nodes(); ++n) {
+    const uint64_t location = program_.graph().node(static_cast<trace::NodeId>(n)).key.location;
+    if (!node_frames_[n].empty() && framed.insert(location).second) frames.push_back({location, node_frames_[n]});
+  }
   // The traces are spliced in as the text keep() wrote (not parsed again).
   std::string out = nlohmann::json{{"format", kProgramFormat}, {"checks", checks}, {"frames", frames}}.dump();
   out.pop_back();  // the closing brace
@@ -150,19 +153,16 @@ void Session::import_program(const std::string& text) {
     throw std::invalid_argument(std::string("terra_torch: a kept program is malformed: ") + e.what());
   }
   try {
-    for (const capture::Trace& t : traces) {
-      const uint32_t index = program_.add(t);
-      const auto& nodes = program_.record_nodes(index);
-      node_frames_.resize(program_.graph().num_nodes());
-      for (size_t i = 0; i < nodes.size(); ++i) {
-        const auto it = frames.find(t.ops[i].location);
-        if (node_frames_[nodes[i]].empty() && it != frames.end()) node_frames_[nodes[i]] = it->second;
-      }
-    }
+    for (const capture::Trace& t : traces) program_.add(t);
   } catch (...) {
     program_ = emit::CapturedProgram();
-    node_frames_.clear();
     throw;
+  }
+  node_frames_.assign(program_.graph().num_nodes(), {});
+  for (size_t n = 0; n < node_frames_.size(); ++n) {
+    const trace::Node& node = program_.graph().node(static_cast<trace::NodeId>(n));
+    if (node.kind != trace::NodeKind::kOp) continue;
+    if (const auto it = frames.find(node.key.location); it != frames.end()) node_frames_[n] = it->second;
   }
   for (const uint64_t key : checks) program_.add_check(key);
   if (options_.keep_traces) {
@@ -170,10 +170,9 @@ void Session::import_program(const std::string& text) {
     // this run is taken for one of the earlier run's.
     next_token_ = max_token + 1;
     kept_traces_ = std::move(texts);
-    location_frames_ = std::move(frames);
     for (const capture::Trace& t : traces)
       for (const capture::OpRecord& rec : t.ops)
-        kept_ops_.emplace(capture::check_key(rec.location, rec.op), std::make_pair(rec.location, rec.op.operator_name()));
+        kept_ops_.try_emplace(capture::check_key(rec.location, rec.op), rec.location, rec.op.operator_name());
   }
 }
 

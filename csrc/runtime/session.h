@@ -111,17 +111,16 @@ class Session {
   int64_t builds_ = 0;
   int64_t last_uncovered_ = -1;
   std::vector<std::vector<std::string>> node_frames_;
-  // SessionOptions::keep_traces: each merged trace as JSON, the frames of its locations, and
-  // the tokens standing for its externals' addresses (capture/trace_json.h).
+  // SessionOptions::keep_traces: each merged trace as JSON, and the tokens standing for its
+  // externals' addresses (capture/trace_json.h).
   std::vector<std::string> kept_traces_;
-  std::unordered_map<uint64_t, std::vector<std::string>> location_frames_;
   std::unordered_map<const void*, uint64_t> tokens_;
   uint64_t next_token_ = 1;
   // Per check key of a kept record: its location and operator, how export names a check.
   std::unordered_map<uint64_t, std::pair<uint64_t, c10::OperatorName>> kept_ops_;
   // Why the program cannot be kept ("" while it can): the first trace keep() refused.
   std::string unkept_;
-  void keep(const capture::Trace& trace, capture::Region* region);
+  void keep(const capture::Trace& trace);
   // The latest co-execution region, reused by the next open_region() when nobody else holds
   // it (Python drops it when the iteration ends, unless a fallback's location keeps it).
   std::shared_ptr<capture::Region> spare_region_;

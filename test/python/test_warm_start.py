@@ -204,6 +204,8 @@ def test_export_and_import_give_the_same_graph(tmp_path: Path) -> None:
     copy.build()
     assert copy.num_traces == session.num_traces
     assert copy.text == session.text
+    assert copy.to_dot() == session.to_dot()  # nodes labelled with the same source lines
+    assert "test_warm_start.py" in copy.to_dot()
     assert json.loads(copy.export_program())["traces"] == json.loads(text)["traces"]
     with pytest.raises(ValueError, match="format"):
         _C.runtime.Session("coexec", False, False, True).import_program('{"format": "other"}')
