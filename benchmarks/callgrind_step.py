@@ -34,7 +34,7 @@ from benchmarks.coexec_profile import OPTIMIZERS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(steps: int, optimizer: str, eager: bool, out_dir: Path) -> Path:
+def run(steps: int, optimizer: str, eager: bool, out_dir: Path, program: str | None = None) -> Path:
     """Runs the profile loop under callgrind; returns the Python thread's output file."""
     for old in out_dir.glob("cg.*"):
         old.unlink()
@@ -43,6 +43,8 @@ def run(steps: int, optimizer: str, eager: bool, out_dir: Path) -> Path:
            sys.executable, "-m", "benchmarks.coexec_profile", "--optimizer", optimizer, "--steps", str(steps)]
     if eager:
         cmd.append("--eager")
+    if program is not None:
+        cmd += ["--program", program]
     env = dict(os.environ, TERRA_SPEED_CHECK="0", TERRA_SPIN_US="0")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -53,9 +55,10 @@ def run(steps: int, optimizer: str, eager: bool, out_dir: Path) -> Path:
     return threads[0]
 
 
-def inclusive(path: Path) -> Counter:
-    """Inclusive instructions per function name (the largest entry where a name repeats)."""
-    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
+def inclusive(path: Path, exclusive: bool = False) -> Counter:
+    """Inclusive (or, with `exclusive`, self) instructions per function name (the largest entry
+    where a name repeats)."""
+    out = subprocess.run(["callgrind_annotate", f"--inclusive={'no' if exclusive else 'yes'}", "--threshold=100", str(path)],
                          capture_output=True, text=True, check=True).stdout
     counts: Counter = Counter()
     for line in out.splitlines():
@@ -80,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="the same loop eagerly")
     p.add_argument("--match", default="terra::", help="regular expression: which functions to list")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--program", default=None, help="a benchmark program (benchmarks/programs) instead of the MLP")
+    p.add_argument("--self", dest="exclusive", action="store_true",
+                   help="per function, the instructions spent in it alone (callee's excluded)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         print("valgrind (callgrind) is not installed: apt-get install valgrind", file=sys.stderr)
@@ -88,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         short, long = Path(tmp, "short"), Path(tmp, "long")
         short.mkdir()
         long.mkdir()
-        a = inclusive(run(args.steps, args.optimizer, args.eager, short))
-        b = inclusive(run(2 * args.steps, args.optimizer, args.eager, long))
+        a = inclusive(run(args.steps, args.optimizer, args.eager, short, args.program), args.exclusive)
+        b = inclusive(run(2 * args.steps, args.optimizer, args.eager, long, args.program), args.exclusive)
     per_step = {k: (b[k] - a.get(k, 0)) / args.steps for k in b}
     total = per_step.get("PROGRAM TOTALS", 0.0)
-    print(f"{'eager' if args.eager else 'terra'} {args.optimizer}: {total:,.0f} instructions per step "
+    print(f"{'eager' if args.eager else 'terra'} {args.program or args.optimizer}: {total:,.0f} instructions per step "
           "on the Python thread (callgrind)")
     pattern = re.compile(args.match)
     rows = [(v, k) for k, v in per_step.items() if pattern.search(k) and k != "PROGRAM TOTALS"]

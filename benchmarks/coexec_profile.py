@@ -8,6 +8,12 @@ fixed number of steps and nothing else, so that a profiler's samples are the ste
 
 (-D skips the import; the Python thread is the process's lowest thread id.) It prints the loop's
 wall and Python-thread CPU time per step and, under terra, the runtime's counters.
+
+`--program NAME` runs a program of the benchmark suite (benchmarks/programs/NAME.py) instead,
+wrapped the way the suite's `terra` column wraps it (`terra_torch.wrap(model)`, or
+`terra_torch.function(step)` where the program sets TERRA_ITERATION = "step"); `--optimizer` is
+then ignored. The speed check is the caller's to turn off (TERRA_SPEED_CHECK=0), so that every
+step co-executes.
 """
 
 from __future__ import annotations
@@ -29,8 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eager", action="store_true", help="run eagerly (the same loop, for comparison)")
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--program", default=None, help="a benchmark program (benchmarks/programs) instead of the MLP")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.program is not None:
+        run_program(args)
+        return
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     params = model.parameters()
@@ -63,6 +73,45 @@ def main(argv: list[str] | None = None) -> None:
         s = terra_torch.stats(model)
         print("  iterations", s.iterations, "fallbacks", s.fallbacks,
               {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads")})
+
+
+def run_program(args: argparse.Namespace) -> None:
+    """The loop of a suite program: build, then `step(state, i)` for every step."""
+    from benchmarks.harness.runtime import Runtime, load_program
+
+    module = load_program(args.program)
+    per_step = getattr(module, "TERRA_ITERATION", "model") == "step"
+    wrapped: list = []
+    terra_torch = None
+    if not args.eager:
+        import terra_torch
+
+    def wrap_model(model, example_inputs):
+        if terra_torch is None or per_step:
+            return model
+        wrapped.append(terra_torch.wrap(model))
+        return wrapped[-1]
+
+    state = module.build(0, Runtime("cpu", wrap_model))
+    step = module.step
+    if terra_torch is not None and per_step:
+        step = terra_torch.function(step)
+        wrapped.append(step)
+    warm = min(50, args.steps // 2)
+    for i in range(args.steps):
+        if i == warm:
+            t0, c0 = time.perf_counter(), time.thread_time()
+        step(state, i)
+    if terra_torch is not None:
+        terra_torch.synchronize()
+    n = args.steps - warm
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    print(f"{'eager' if args.eager else 'terra'} {args.program}: {wall * 1e3 / n:.3f} ms/step wall, "
+          f"{cpu * 1e3 / n:.3f} ms/step Python-thread CPU")
+    for obj in wrapped:
+        s = terra_torch.stats(obj)
+        print("  iterations", s.iterations, "fallbacks", s.fallbacks,
+              {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads", "materialized")})
 
 
 if __name__ == "__main__":

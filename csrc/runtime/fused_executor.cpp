@@ -249,6 +249,29 @@ double FusedExecutor::min_speedup() {
 
 namespace {
 
+// A trusted segment's compiled code. Code that raises after its check (a bounds check of its own
+// on index values the check run never saw) gives the segment back to the interpreter for good,
+// the reason kept for explain(). A segment that writes none of its inputs is then run by the
+// interpreter, which returns eager's results or raises eager's error for the same values; one
+// that writes inputs may have written some of them before it raised, so its error goes on as it
+// is (the iteration fails, as it does when an interpreted op raises in the graph).
+std::vector<at::Tensor> run_compiled(std::mutex& mu, SegmentState& s, Loader& loader, const std::vector<at::Tensor>& inputs,
+                                     bool* raised = nullptr) {
+  try {
+    return loader.run(call_arguments(s.plan, inputs));
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard lock(mu);
+      s.state = State::kInterpreted;
+      s.reason = "compiled code raised after it was trusted: " + first_line(e.what());
+      s.loader.reset();  // (this run holds its own reference)
+    }
+    if (raised != nullptr) *raised = true;
+    if (std::find(s.written.begin(), s.written.end(), true) != s.written.end()) throw;
+    return s.interpret(inputs);
+  }
+}
+
 // A trusted segment's run during its speed trial: compiled and interpreted in turns, timed;
 // the last one decides whether compiled code stays (FusedExecutor::min_speedup).
 std::vector<at::Tensor> trial_run(std::mutex& mu, SegmentState& s, Loader& loader, const std::vector<at::Tensor>& inputs) {
@@ -267,7 +290,9 @@ std::vector<at::Tensor> trial_run(std::mutex& mu, SegmentState& s, Loader& loade
   std::vector<at::Tensor> out;
   if (compiled_turn) {
     s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
-    out = loader.run(call_arguments(s.plan, inputs));
+    bool raised = false;
+    out = run_compiled(mu, s, loader, inputs, &raised);
+    if (raised) return out;  // the segment is interpreted from now on: no trial to finish
   } else {
     out = s.interpret(inputs);
   }
@@ -334,7 +359,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
   if (state == State::kTrusted) {
     if (!s.trial_done.load(std::memory_order_acquire)) return trial_run(impl_->mu, s, *loader, inputs);
     s.compiled_runs.fetch_add(1, std::memory_order_relaxed);
-    return loader->run(call_arguments(s.plan, inputs));
+    return run_compiled(impl_->mu, s, *loader, inputs);
   }
   // kLoaded: the first compiled run, on copies of the arguments, checked against the
   // interpreter on the real inputs (whose results are the ones returned).

@@ -4,7 +4,7 @@ Eager is the oracle. Interpreted segments run eager's kernels, so until a segmen
 the cut graph must give eager's numbers bit for bit (the cut must keep every alias: an SGD step
 writes parameters through the t() views linear's backward made). Compiled segments are checked
 against the interpreter on their first run and must then stay within the stated tolerance.
-Compiling costs about 20 s per segment on a 2-core machine, so only two tests compile.
+Compiling costs about 20 s per segment on a 2-core machine, so only a few tests compile.
 """
 
 from __future__ import annotations
@@ -230,6 +230,39 @@ def test_compiled_code_that_disagrees_is_rejected() -> None:
     assert torch.equal(out.outputs[0], loss.detach())
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_compiled_code_that_raises_once_trusted_gives_its_segment_back_to_the_interpreter() -> None:
+    # Rows gathered by index: the compiled kernel checks the indices itself. Once the segment is
+    # trusted, an index out of range makes its compiled code raise; the segment writes none of
+    # its inputs, so the interpreter runs it instead and raises eager's error, and later runs are
+    # interpreted, bitwise eager (before, the iteration failed with the compiled code's error and
+    # the segment stayed trusted).
+    torch.manual_seed(0)
+    table = torch.randn(10, 4)
+    index = torch.tensor([1, 2, 3])
+
+    def gather() -> torch.Tensor:
+        return (table.index_select(0, index) * 2.0).sum(0)
+
+    rec = graph.record(gather)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    report = g.compile_segments()
+    assert report and all(s["state"] == "loaded" for s in report), report
+    for _ in range(2):  # the check, then compiled code
+        torch.testing.assert_close(g.run(rec, mode="fused").outputs[0], gather())
+    assert all(s["state"] == "trusted" for s in g.segments), g.segments
+    index.copy_(torch.tensor([1, 2, 30]))
+    with pytest.raises(IndexError, match="index out of range"):
+        gather()  # eager's error
+    with pytest.raises((IndexError, RuntimeError), match="index out of range"):
+        g.run(rec, mode="fused")
+    raised = [s for s in g.segments if s["state"] == "interpreted"]
+    assert len(raised) == 1, g.segments
+    assert raised[0]["reason"].startswith("compiled code raised after it was trusted"), raised[0]
+    index.copy_(torch.tensor([4, 0, 9]))
+    assert torch.equal(g.run(rec, mode="fused").outputs[0], gather())
 
 
 def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypatch) -> None:
