@@ -57,7 +57,11 @@ class Location:
         return f"Location({self.id:#x})"
 
     def __str__(self) -> str:
-        return " -> ".join(self.frames) if self.frames else f"<location {self.id:#x}>"
+        if self.frames:
+            return " -> ".join(self.frames)
+        # (An op issued with no frame of the program on the stack: by torch's C++ on a thread of
+        # its own, or by the wrapper itself. The id alone told a reader nothing.)
+        return f"<an op with no Python frame of the program (location {self.id:#x})>"
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ void split_escaping_aliases(std::vector<Node*> ops, std::vector<std::vector<Node
 
 class Cutter {
  public:
-  Cutter(Graph& graph, const SegmentOptions& options, std::vector<Segment>& segments)
-      : graph_(graph), options_(options), segments_(segments), publish_(c10::Symbol::fromQualString(kPublishOp)),
+  Cutter(Graph& graph, const SegmentOptions& options, const std::vector<bool>& in_place, std::vector<Segment>& segments)
+      : graph_(graph), options_(options), in_place_(in_place), segments_(segments), publish_(c10::Symbol::fromQualString(kPublishOp)),
         segment_(c10::Symbol::fromQualString(kSegmentOp)),
         feed_(c10::Symbol::fromQualString(kFeedOp)) {}
 
@@ -184,6 +184,10 @@ class Cutter {
       for (size_t k = 0; k < op->outputs().size(); ++k) env.emplace(op->output(k), copy->output(k));
     }
     for (Value* v : outputs) body->registerOutput(env.at(v));
+    if (segments_.size() < in_place_.size() && in_place_[segments_.size()]) {
+      segments_.push_back({std::move(body), ops.size()});  // (its ops stay where they are)
+      return;
+    }
 
     Node* last = ops.back();
     torch::jit::WithInsertPoint at(last->next());
@@ -225,16 +229,18 @@ class Cutter {
 
   Graph& graph_;
   const SegmentOptions& options_;
+  const std::vector<bool>& in_place_;
   std::vector<Segment>& segments_;
   const c10::Symbol publish_, segment_, feed_;
 };
 
 }  // namespace
 
-SegmentedGraph cut_segments(const std::shared_ptr<Graph>& graph, const SegmentOptions& options) {
+SegmentedGraph cut_segments(const std::shared_ptr<Graph>& graph, const SegmentOptions& options,
+                            const std::vector<bool>& in_place) {
   SegmentedGraph out;
   out.graph = graph->copy();
-  Cutter(*out.graph, options, out.segments).cut(out.graph->block());
+  Cutter(*out.graph, options, in_place, out.segments).cut(out.graph->block());
   out.graph->lint();
   return out;
 }

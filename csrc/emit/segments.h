@@ -64,7 +64,13 @@ struct SegmentOptions {
   bool feeds_ready = false;
 };
 
-// Cuts every stretch of `graph` (a copy; the argument is not changed).
-SegmentedGraph cut_segments(const std::shared_ptr<torch::jit::Graph>& graph, const SegmentOptions& options = {});
+// Cuts every stretch of `graph` (a copy; the argument is not changed). The segments k with
+// `in_place[k]` keep their ops where they are (their bodies are made all the same, so that every
+// segment has the number and body it has without `in_place`): the FusedExecutor cuts again so
+// once segments stay interpreted for good, and those then cost what their ops cost (a call of a
+// small interpreted segment cost as much as its ops: the list of inputs, the boxed call, a new
+// interpreter state, the list of results, views made again after the call).
+SegmentedGraph cut_segments(const std::shared_ptr<torch::jit::Graph>& graph, const SegmentOptions& options = {},
+                            const std::vector<bool>& in_place = {});
 
 }  // namespace terra::emit

@@ -220,8 +220,11 @@ struct SegmentState {
 }  // namespace
 
 struct FusedExecutor::Impl {
+  std::shared_ptr<torch::jit::Graph> graph;  // as generated, before the cut
+  emit::SegmentOptions options;
   emit::SegmentedGraph segmented;
-  std::unique_ptr<TorchScriptExecutor> outer;
+  std::shared_ptr<TorchScriptExecutor> outer;  // guarded by mu (a run holds its own reference)
+  std::vector<bool> inlined;                   // guarded by mu: the segments `outer` runs in place
   std::vector<std::unique_ptr<SegmentState>> segments;
   mutable std::mutex mu;
   std::condition_variable requested;
@@ -229,8 +232,11 @@ struct FusedExecutor::Impl {
 
 FusedExecutor::FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emit::SegmentOptions& options)
     : impl_(std::make_unique<Impl>()) {
+  impl_->graph = graph->copy();  // (cut again from this when segments are left in place)
+  impl_->options = options;
   impl_->segmented = emit::cut_segments(graph, options);
-  impl_->outer = std::make_unique<TorchScriptExecutor>(impl_->segmented.graph);
+  impl_->outer = std::make_shared<TorchScriptExecutor>(impl_->segmented.graph);
+  impl_->inlined.assign(impl_->segmented.segments.size(), false);
   for (const emit::Segment& s : impl_->segmented.segments) impl_->segments.push_back(std::make_unique<SegmentState>(s));
 }
 
@@ -238,7 +244,28 @@ FusedExecutor::~FusedExecutor() = default;
 
 std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
   RunningScope running(this);
-  return impl_->outer->run(std::move(inputs));
+  std::shared_ptr<TorchScriptExecutor> outer;
+  std::vector<bool> wanted;
+  {
+    std::lock_guard lock(impl_->mu);
+    outer = impl_->outer;
+    bool changed = false;
+    wanted.resize(impl_->segments.size());
+    for (size_t k = 0; k < wanted.size(); ++k) {
+      wanted[k] = impl_->segments[k]->state == State::kInterpreted;
+      changed |= wanted[k] != impl_->inlined[k];
+    }
+    if (!changed) wanted.clear();
+  }
+  if (!wanted.empty()) {
+    // Segments that stay interpreted for good run in place from now on (a few milliseconds to
+    // rebuild, once per change; the segments settle in their first runs).
+    outer = std::make_shared<TorchScriptExecutor>(emit::cut_segments(impl_->graph, impl_->options, wanted).graph);
+    std::lock_guard lock(impl_->mu);
+    impl_->outer = outer;
+    impl_->inlined = std::move(wanted);
+  }
+  return outer->run(std::move(inputs));
 }
 
 double FusedExecutor::min_speedup() {
@@ -448,7 +475,8 @@ std::vector<SegmentReport> FusedExecutor::report() const {
   std::vector<SegmentReport> out;
   for (const auto& s : impl_->segments) {
     out.push_back({s->segment.num_ops, name_of(s->state), s->reason, s->compiled_runs.load(),
-                   s->interpreted_runs.load(), s->max_difference, s->compiled_us, s->interpreted_us});
+                   s->interpreted_runs.load(), s->max_difference, s->compiled_us, s->interpreted_us,
+                   impl_->inlined[out.size()]});
   }
   return out;
 }

@@ -14,6 +14,9 @@
 //            timed: compiled code slower than min_speedup() times the interpreter's (medians)
 //            leaves the segment interpreted, with both times in the reason (a small segment
 //            can cost more in the call into compiled code than its few kernels save).
+//   interpreted (for good): at the next run() the graph is cut again with the segment's ops
+//            left in place (emit::cut_segments' `in_place`), so that it costs what its ops
+//            cost; its report says `inlined`.
 //
 // The compiler is Python (terra_torch/_fused.py: the body as an FX graph, exported and compiled
 // by AOTInductor into a package); the package's code is loaded and run here without the GIL
@@ -21,9 +24,10 @@
 // eager's, not bitwise (kRelTolerance, kAbsTolerance: the check), which is why the executor is
 // opt-in; the default TorchScriptExecutor stays bitwise.
 //
-// Locking: mu_ guards every segment's state; run() holds it only to read a segment's state and
-// to change it, never while a segment runs, so the compiler's next_request()/compiled() calls
-// and a running graph never wait for each other's work.
+// Locking: mu_ guards every segment's state and which graph runs (the outer executor, swapped
+// when segments are inlined); run() holds it only to read or change them, never while a segment
+// or the graph runs (a rebuilt graph is made outside it), so the compiler's
+// next_request()/compiled() calls and a running graph never wait for each other's work.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -101,6 +105,8 @@ struct SegmentReport {
   double max_difference = 0;  // in the check: largest |compiled - interpreted|
   // The speed trial's medians, microseconds per run (0 until the trial ended).
   double compiled_us = 0, interpreted_us = 0;
+  // An interpreted segment whose ops now run in place, not called (emit::cut_segments).
+  bool inlined = false;
 };
 
 class FusedExecutor final : public Executor {

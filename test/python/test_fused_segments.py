@@ -94,6 +94,29 @@ def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
     assert sum(s["ops"] for s in report) >= 20  # forward, backward and the step in few segments
 
 
+def test_segments_that_stay_interpreted_run_in_place_bitwise_like_eager() -> None:
+    # A segment given up for good (here: its compile "failed") is no longer called: the graph is
+    # cut again with its ops left in place, and runs stay bitwise eager.
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    eager_step()
+    executor = g._graph.fused
+    for k in range(len(g.segments)):
+        executor.failed(k, "given up by the test")
+    calls = [s["interpreted_runs"] for s in g.segments]
+    for _ in range(3):
+        out = g.run(rec, mode="fused")
+        loss = eager_step()
+        assert torch.equal(out.outputs[0], loss)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p, q)
+    report = g.segments
+    assert all(s["state"] == "interpreted" and s["inlined"] for s in report), report
+    assert [s["interpreted_runs"] for s in report] == calls  # not called any more
+
+
 def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
     model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
 
