@@ -50,7 +50,7 @@ class Explanation:
     # ITERATIONS): {"op", "line", "how", "iterations", "eager_for"}; None otherwise.
     not_converged: dict[str, Any] | None = None
     eager_reason: str = ""  # why the program last moved to phase "eager"
-    # optimize="fused": per compiled segment of the current graph, its report (ops, state,
+    # optimize="fused": per compiled segment of the current graph, its report (ops, state, inlined,
     # reason, compiled_runs, interpreted_runs, max_difference); None otherwise.
     segments: list[dict[str, Any]] | None = None
     # The _C.emit.Graph the picture is drawn from; None before any graph was built.
@@ -107,7 +107,8 @@ class Explanation:
                        f"({sum(s['ops'] for s in trusted)} of {sum(s['ops'] for s in self.segments)} ops)")
             for k, s in enumerate(self.segments):
                 if s["state"] == "interpreted":
-                    out.append(f"    segment {k} ({s['ops']} ops) stays interpreted: {s['reason']}")
+                    where = ", in place" if s.get("inlined") else ""
+                    out.append(f"    segment {k} ({s['ops']} ops{where}) stays interpreted: {s['reason']}")
         out.append(f"  fallbacks: {len(self.fallbacks)}")
         # Grouped by line: a site that falls back every iteration is one line to fix, not many.
         sites: dict[str | None, list[Fallback]] = {}
