@@ -189,6 +189,13 @@ def compile_one(executor: Any, wait_s: float, stop: threading.Event | None = Non
     request = executor.next_request(wait_s)
     if request is None:
         return False
+    return compile_request(executor, request, stop, isolated)
+
+
+def compile_request(executor: Any, request: tuple[int, dict[str, Any], dict[str, list[Any]]],
+                    stop: threading.Event | None = None, isolated: bool = False) -> bool:
+    """compile_one() for a request already taken: hands the executor the package or the
+    failure; False if `stop` was set meanwhile (nothing handed over)."""
     segment, body, plan = request
     t0 = time.perf_counter()
     try:
@@ -225,11 +232,15 @@ class SegmentCompiler:
 
     `source()` returns the executor to serve now (a co-executed program gets a new one with each
     graph it builds), None when there is none yet, or raises LookupError when its program is
-    gone (the thread then ends). The training loop goes on meanwhile, on interpreted segments."""
+    gone (the thread then ends). The training loop goes on meanwhile, on interpreted segments.
+
+    `changes` counts the segments handed over (compiled or failed): each may change how fast
+    the program co-executes, which the program's speed check then measures again."""
 
     def __init__(self, source: Callable[[], Any], poll_s: float = 0.2) -> None:
         self._source = source
         self._poll_s = poll_s
+        self.changes = 0  # (written by the thread only; a stale read delays a recheck by an iteration)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="terra-segment-compiler", daemon=True)
         self._thread.start()
@@ -243,8 +254,8 @@ class SegmentCompiler:
                 return
             if executor is None:
                 self._stop.wait(self._poll_s)
-            else:
-                compile_one(executor, self._poll_s, self._stop, isolated=True)
+            elif compile_one(executor, self._poll_s, self._stop, isolated=True):
+                self.changes += 1
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()

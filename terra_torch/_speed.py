@@ -124,6 +124,17 @@ class SpeedCheck:
         self._measuring, self._mode, self._left = None, chosen, self._interval
         return chosen
 
+    def recheck(self) -> None:
+        """Co-execution's speed changed (compiled segments arrived, or went back to the
+        interpreter): a decision taken before is stale, and one measured while the compiler ran
+        (a child process on one of the cores) was unfair to co-execution. Check again after
+        `settle` iterations; a measurement in progress starts over."""
+        if self._measuring is None:
+            self._left = min(self._left, self.settle + 1)
+            self._interval = self.first_interval
+        else:
+            self.restart()
+
     def restart(self) -> None:
         """The program left the modes this check compares (it fell back and traces again): a
         measurement in progress starts over once it co-executes again."""

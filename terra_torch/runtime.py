@@ -183,6 +183,7 @@ class Program:
         # iteration, Session.close and this bookkeeping, counts too): end() notes the mode of an
         # iteration that counts, the next begin() measures it.
         self._speed_pending: str | None = None
+        self._speed_compiles = 0  # the segment compiler's `changes` the speed check has seen
         self._last_begin_ns = 0
         _programs.add(self)
 
@@ -427,6 +428,9 @@ class Program:
         """Feeds one measured iteration to the speed check and moves to the mode it asks for."""
         if not self._speed.enabled:
             return
+        if self._compiler is not None and self._compiler.changes != self._speed_compiles:
+            self._speed_compiles = self._compiler.changes
+            self._speed.recheck()
         checks = len(self._speed.verdicts)
         wanted = self._speed.observe(mode, seconds, self.iteration)
         if wanted == mode and len(self._speed.verdicts) == checks:

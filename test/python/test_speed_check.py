@@ -87,6 +87,26 @@ def test_a_measurement_starts_over_when_the_program_falls_back():
     assert [check.observe(COEXEC, 1.0, i) for i in range(1, 10)] == [COEXEC] * 8 + [EAGER]
 
 
+def test_a_change_of_the_graph_side_is_measured_again_soon():
+    # Co-execution was slower while segments compiled (the compiler took a core), so eager was
+    # chosen for 200 iterations; compiled code arrives: recheck() measures again after `settle`
+    # iterations, and the faster co-execution is chosen.
+    check = SpeedCheck(first_after=4, window=2, settle=2, interval=200)
+    feed(check, {COEXEC: 2.0, EAGER: 1.0}, 13)
+    assert check.verdicts[0].chosen == EAGER and check.mode == EAGER and check.next_check_in == 200
+    check.recheck()
+    modes = feed(check, {COEXEC: 0.5, EAGER: 1.0}, 20, start=13)
+    assert check.verdicts[-1].chosen == COEXEC and len(check.verdicts) == 2
+    assert modes.index(COEXEC) <= 2 + 1 + 1 + 2  # settle, the eager block, then co-execution
+    # During a measurement, recheck() starts it over from co-execution.
+    check = SpeedCheck(first_after=2, window=2, settle=2, interval=5)
+    assert check.observe(COEXEC, 1.0, 0) == COEXEC
+    assert check.observe(COEXEC, 1.0, 1) == EAGER
+    check.recheck()
+    assert [check.observe(EAGER, 1.0, 2)] + [check.observe(COEXEC, 1.0, i) for i in range(3, 6)] == \
+        [COEXEC, COEXEC, COEXEC, EAGER]
+
+
 def test_disabled_never_moves():
     check = SpeedCheck(False, first_after=2, window=2, settle=0)
     assert feed(check, {COEXEC: 9.0, EAGER: 1.0}, 20) == [COEXEC] * 20
