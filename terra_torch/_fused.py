@@ -234,13 +234,17 @@ class SegmentCompiler:
     graph it builds), None when there is none yet, or raises LookupError when its program is
     gone (the thread then ends). The training loop goes on meanwhile, on interpreted segments.
 
-    `changes` counts the segments handed over (compiled or failed): each may change how fast
-    the program co-executes, which the program's speed check then measures again."""
+    `changes` counts the segments handed over (compiled or failed): they change how fast the
+    program co-executes, which the program's speed check measures again once the compiler is
+    `idle` (no request waited during its last poll): once per burst of compiles, not per
+    segment, as each measurement runs the slower mode for a while."""
 
     def __init__(self, source: Callable[[], Any], poll_s: float = 0.2) -> None:
         self._source = source
         self._poll_s = poll_s
-        self.changes = 0  # (written by the thread only; a stale read delays a recheck by an iteration)
+        # (Written by the thread only; a stale read delays a recheck by an iteration.)
+        self.changes = 0
+        self.idle = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="terra-segment-compiler", daemon=True)
         self._thread.start()
@@ -254,7 +258,10 @@ class SegmentCompiler:
                 return
             if executor is None:
                 self._stop.wait(self._poll_s)
-            elif compile_one(executor, self._poll_s, self._stop, isolated=True):
+                continue
+            request = executor.next_request(self._poll_s)
+            self.idle = request is None
+            if request is not None and compile_request(executor, request, self._stop, isolated=True):
                 self.changes += 1
 
     def stop(self, timeout: float | None = None) -> None:

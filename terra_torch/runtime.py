@@ -428,7 +428,7 @@ class Program:
         """Feeds one measured iteration to the speed check and moves to the mode it asks for."""
         if not self._speed.enabled:
             return
-        if self._compiler is not None and self._compiler.changes != self._speed_compiles:
+        if self._compiler is not None and self._compiler.changes != self._speed_compiles and self._compiler.idle:
             self._speed_compiles = self._compiler.changes
             self._speed.recheck()
         checks = len(self._speed.verdicts)

@@ -249,13 +249,13 @@ std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
   {
     std::lock_guard lock(impl_->mu);
     outer = impl_->outer;
+    auto in_place = [&](size_t k) { return impl_->segments[k]->state == State::kInterpreted; };
     bool changed = false;
-    wanted.resize(impl_->segments.size());
-    for (size_t k = 0; k < wanted.size(); ++k) {
-      wanted[k] = impl_->segments[k]->state == State::kInterpreted;
-      changed |= wanted[k] != impl_->inlined[k];
+    for (size_t k = 0; k < impl_->segments.size() && !changed; ++k) changed = in_place(k) != impl_->inlined[k];
+    if (changed) {
+      wanted.resize(impl_->segments.size());
+      for (size_t k = 0; k < wanted.size(); ++k) wanted[k] = in_place(k);
     }
-    if (!changed) wanted.clear();
   }
   if (!wanted.empty()) {
     // Segments that stay interpreted for good run in place from now on (a few milliseconds to
