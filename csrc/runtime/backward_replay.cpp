@@ -14,7 +14,6 @@
 #include <typeinfo>
 #include <cstring>
 #include <memory>
-#include <unordered_set>
 
 #include "capture/placeholder.h"
 #include "capture/region.h"
@@ -22,6 +21,7 @@
 #include "emit/captured_program.h"
 #include "emit/channel.h"
 #include "runtime/python_runner.h"
+#include "common/flat_map.h"
 #include "trace/hash.h"
 
 namespace terra::runtime {
@@ -102,8 +102,22 @@ bool same_attribute(const c10::IValue& a, const c10::IValue& b, std::vector<int6
 
 AutogradReach reach(const BackwardCall& call, bool whole_graph) {
   AutogradReach out;
-  std::unordered_set<Node*> seen;
-  std::vector<Node*> stack;
+  // Scratch kept per thread: a backward() per step walked a fresh hash set (a node allocation
+  // per autograd node) and stack.
+  thread_local common::FlatMap<Node*, bool> seen;
+  thread_local std::vector<Node*> stack;
+  thread_local size_t last_nodes = 0, last_leaves = 0;
+  seen.clear();
+  stack.clear();
+  out.nodes.reserve(last_nodes);
+  out.leaves.reserve(last_leaves);
+  struct Sizes {  // noted on every way out
+    const AutogradReach& out;
+    ~Sizes() {
+      last_nodes = out.nodes.size();
+      last_leaves = out.leaves.size();
+    }
+  } sizes{out};
   for (const at::Tensor& root : call.roots) {
     if (!root.defined()) continue;
     Node* fn = torch::autograd::impl::gradient_edge(root).function.get();
@@ -111,7 +125,7 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
       out.python = "a root of backward() has no grad_fn";  // (the engine raises; let it)
       return out;
     }
-    if (seen.insert(fn).second) stack.push_back(fn);
+    if (seen.try_emplace(fn).second) stack.push_back(fn);
   }
   // Depth first, next edges in order: the same graph gives the same leaf order.
   while (!stack.empty()) {
@@ -128,7 +142,7 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
     const auto& edges = node->next_edges();
     for (auto e = edges.rbegin(); e != edges.rend(); ++e) {
       Node* next = e->function.get();
-      if (next != nullptr && seen.insert(next).second) stack.push_back(next);
+      if (next != nullptr && seen.try_emplace(next).second) stack.push_back(next);
     }
   }
   return out;

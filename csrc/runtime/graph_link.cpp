@@ -97,7 +97,14 @@ void PythonRunner::flush() {
     }
     ++stats_.posted_feeds;
     if (drive_ != Drive::kCoExec || !p.tensor.defined()) continue;
-    if (kept_feeds_.empty() || kept_feeds_.back().first != started_) kept_feeds_.emplace_back(started_, std::vector<at::Tensor>());
+    if (kept_feeds_.empty() || kept_feeds_.back().first != started_) {
+      std::vector<at::Tensor> list;
+      if (!spare_feed_lists_.empty()) {
+        list = std::move(spare_feed_lists_.back());
+        spare_feed_lists_.pop_back();
+      }
+      kept_feeds_.emplace_back(started_, std::move(list));
+    }
     kept_feeds_.back().second.push_back(p.tensor);
   }
   try {
@@ -237,7 +244,12 @@ void PythonRunner::wait_published(int64_t count) {
 }
 
 void PythonRunner::release_kept_feeds() {
-  while (!kept_feeds_.empty() && kept_feeds_.front().first <= waited_) kept_feeds_.pop_front();
+  while (!kept_feeds_.empty() && kept_feeds_.front().first <= waited_) {
+    std::vector<at::Tensor>& list = kept_feeds_.front().second;
+    list.clear();  // (the tensors go here, on the Python thread: see kept_feeds_)
+    if (spare_feed_lists_.size() < 4) spare_feed_lists_.push_back(std::move(list));
+    kept_feeds_.pop_front();
+  }
 }
 
 void PythonRunner::wait_until_in_flight_below(int64_t n) {
