@@ -1,4 +1,4 @@
-"""Generate the TorchScript graph of recorded iterations and run it (BRIEF, "How it works" 3).
+"""Generate the TorchScript graph of recorded iterations and run it (docs/ARCHITECTURE.md).
 
     a = graph.record(step, x_pos)          # run eagerly, capture the trace
     b = graph.record(step, x_neg)          # another iteration, another path

@@ -1,4 +1,4 @@
-"""Co-execution of an imperative PyTorch program (BRIEF, "How it works"; docs/RUNTIME.md).
+"""Co-execution of an imperative PyTorch program (docs/ARCHITECTURE.md; docs/RUNTIME.md).
 
 A `Program` is one co-executed training loop: a wrapped model (`terra_torch.wrap`) or a step
 function (`@terra_torch.function`). Its iterations go through the paper's phases:

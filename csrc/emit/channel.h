@@ -1,4 +1,4 @@
-// The channel between the Python side and a running graph (BRIEF "How it works", step 3): the
+// The channel between the Python side and a running graph (docs/RUNTIME.md, "The protocol"): the
 // terra:: operators in generated graphs (case_select, loop_cond, feed, feed_or_none, fetch) do
 // nothing themselves but ask the ChannelSource that is current on the executing thread. The
 // co-execution runtime installs a concurrent source; tests install a scripted one.

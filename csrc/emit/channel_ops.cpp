@@ -1,7 +1,7 @@
 // Registers the terra:: channel operators that generated graphs call, and the thread-local
 // ChannelSource they talk to.
 //
-// Every schema uses AliasAnalysisKind::CONSERVATIVE (BRIEF, "Channel ops in graphs"): a
+// Every schema uses AliasAnalysisKind::CONSERVATIVE (torch/csrc/jit/ir/ir.cpp): a
 // conservative op in a non-aten namespace counts as having side effects (Node::hasSideEffects),
 // so dead-code elimination keeps it, constant propagation does not run it at compile time even
 // with a constant site id, CSE does not merge two of them, and alias analysis treats its tensor

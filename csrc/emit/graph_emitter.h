@@ -1,4 +1,4 @@
-// Graph generation (BRIEF "How it works", step 3): the structured Program of a TraceGraph becomes
+// Graph generation (docs/ARCHITECTURE.md): the structured Program of a TraceGraph becomes
 // one TorchScript IR graph. Op nodes become aten nodes rebuilt from their schema; switches become
 // prim::If driven by terra::case_select; loops become prim::Loop driven by terra::loop_cond (or
 // are unrolled); external tensors enter through terra::feed / terra::feed_or_none and values the

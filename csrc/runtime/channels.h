@@ -1,10 +1,10 @@
-// The channel between the Python thread and the GraphRunner thread during co-execution (BRIEF,
-// "Co-execution phase"): the scripted channel replays a finished recording, this one is fed
-// while the graph runs. The graph side blocks in case_select / loop_cond / feed until Python has
-// posted the value; Python blocks in wait_fetch until the graph has published one. Each site and
-// slot is its own FIFO: a site inside a loop decides once per iteration, a slot inside a loop
-// feeds or fetches once per iteration, and Python may post ahead (even for the next graph
-// iteration) because consumption order per site/slot is program order.
+// The channel between the Python thread and the GraphRunner thread during co-execution
+// (docs/RUNTIME.md, "The protocol"): the scripted channel replays a finished recording, this
+// one is fed while the graph runs. The graph side blocks in case_select / loop_cond / feed until
+// Python has posted the value; Python blocks in wait_fetch until the graph has published one.
+// Each site and slot is its own FIFO: a site inside a loop decides once per iteration, a slot
+// inside a loop feeds or fetches once per iteration, and Python may post ahead (even for the
+// next graph iteration) because consumption order per site/slot is program order.
 #pragma once
 
 #include <chrono>

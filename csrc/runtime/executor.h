@@ -1,6 +1,7 @@
-// The one interface through which generated graphs are run. TorchScript is deprecated (BRIEF,
-// "TorchScript is deprecated"); keeping execution behind this class lets another executor
-// replace the TorchScript interpreter without touching graph generation's callers.
+// The one interface through which generated graphs are run. TorchScript is deprecated (its
+// Python entry points warn since torch 2.11, torch/jit/_script.py); keeping execution behind
+// this class lets another executor (FusedExecutor) replace the TorchScript interpreter without
+// touching graph generation's callers.
 #pragma once
 
 #include <ATen/core/ivalue.h>

@@ -1,4 +1,4 @@
-// The GraphRunner of co-execution (BRIEF, "Co-execution phase"): a C++ thread that runs the
+// The GraphRunner of co-execution (docs/RUNTIME.md): a C++ thread that runs the
 // generated graph once per iteration while the Python thread keeps running the user's program
 // and talks to the graph through a ConcurrentChannel. Python never waits for the graph except
 // where it needs data (a fetch) or asks to (wait_iteration / synchronize).

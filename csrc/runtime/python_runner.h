@@ -1,4 +1,4 @@
-// The PythonRunner of co-execution (BRIEF, "Co-execution phase"; docs/RUNTIME.md): while the
+// The PythonRunner of co-execution (docs/RUNTIME.md, last sections): while the
 // user's Python runs an iteration, every aten op it issues comes here (capture::CoExecHook). The
 // op is validated against the TraceGraph by the Cursor in O(1); then the decisions the Cursor
 // took, the external tensors the op reads and the go-ahead for side effects are posted to the
