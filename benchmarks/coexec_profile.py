@@ -76,43 +76,32 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_program(args: argparse.Namespace) -> None:
-    """The loop of a suite program: build, then `step(state, i)` for every step."""
+    """The loop of a suite program: build, then `step(state, i)` for every step, wrapped by the
+    suite's own `terra` runner (benchmarks/harness/terra.py) or, with --eager, by nothing."""
+    from benchmarks.harness.runners import Runner
     from benchmarks.harness.runtime import Runtime, load_program
+    from benchmarks.harness.terra import TerraRunner
 
     module = load_program(args.program)
-    per_step = getattr(module, "TERRA_ITERATION", "model") == "step"
-    wrapped: list = []
-    terra_torch = None
-    if not args.eager:
-        import terra_torch
-
-    def wrap_model(model, example_inputs):
-        if terra_torch is None or per_step:
-            return model
-        wrapped.append(terra_torch.wrap(model))
-        return wrapped[-1]
-
-    state = module.build(0, Runtime("cpu", wrap_model))
-    step = module.step
-    if terra_torch is not None and per_step:
-        step = terra_torch.function(step)
-        wrapped.append(step)
+    runner = Runner() if args.eager else TerraRunner("terra", "coexec")
+    if runner.unavailable_reason():
+        raise SystemExit(runner.unavailable_reason())
+    runner.bind_program(module)
+    state = module.build(0, Runtime("cpu", runner.wrap_model))
+    step = runner.wrap_step(module.step)
     warm = min(50, args.steps // 2)
     for i in range(args.steps):
         if i == warm:
             t0, c0 = time.perf_counter(), time.thread_time()
         step(state, i)
-    if terra_torch is not None:
-        terra_torch.synchronize()
+    runner.sync()
     n = args.steps - warm
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     print(f"{'eager' if args.eager else 'terra'} {args.program}: {wall * 1e3 / n:.3f} ms/step wall, "
           f"{cpu * 1e3 / n:.3f} ms/step Python-thread CPU")
-    for obj in wrapped:
-        s = terra_torch.stats(obj)
-        print("  iterations", s.iterations, "fallbacks", s.fallbacks,
-              {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads", "materialized")})
-
+    if not args.eager:
+        st = runner.stats()
+        print("  iterations", st["phases"], "fallbacks", st["fallbacks"])
 
 if __name__ == "__main__":
     main()
