@@ -102,6 +102,13 @@ def run_program(args: argparse.Namespace) -> None:
     if not args.eager:
         st = runner.stats()
         print("  iterations", st["phases"], "fallbacks", st["fallbacks"])
+        b = runner.breakdown() or {}
+        done = max(1, sum(st["phases"].values()))
+        print("  ms/iteration over the run (terra_torch.stats):",
+              ", ".join(f"{k[:-2]} {v * 1e3 / done:.3f}" for k, v in b.items()))
+        for o in st["programs"]:
+            r = o["runner"]
+            print("  ", o["wrapped"], {k: r[k] for k in sorted(r) if k.endswith(("reads", "waits", "stalls", "replayed"))})
 
 if __name__ == "__main__":
     main()

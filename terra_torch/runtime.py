@@ -179,6 +179,7 @@ class Program:
         # turns it off everywhere.
         self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
         self._speed_eager = False  # phase "eager" because eager was measured faster
+        self._worker_pool_held = False  # a co-executed iteration ran since the last release_worker_pool()
         # An iteration's time for the check is begin to begin (so that ending the previous
         # iteration, Session.close and this bookkeeping, counts too): end() notes the mode of an
         # iteration that counts, the next begin() measures it.
@@ -216,9 +217,15 @@ class Program:
             self._region_phase = self.phase
             self._t0 = start
             _active, _active_thread = self, threading.get_ident()
+            if self.phase != "coexec" and self._worker_pool_held:
+                # Kernels run on this thread now: the graph worker's idle OpenMP pool would make
+                # both teams sleep at every barrier (csrc/runtime/worker_threads.h).
+                self._session.release_worker_pool()
+                self._worker_pool_held = False
             if self.phase == "eager":
                 return
             if self.phase == "coexec":
+                self._worker_pool_held = True
                 try:
                     # (the session logs the iteration's span and Python's stalls in it)
                     self._region = self._session.open(stop_frame, True, self.iteration)

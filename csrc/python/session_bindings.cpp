@@ -15,6 +15,7 @@
 #include "trace/dot.h"
 #include "runtime/fused_executor.h"
 #include "runtime/session.h"
+#include "runtime/worker_threads.h"
 
 namespace py = pybind11;
 
@@ -44,6 +45,8 @@ py::dict session_stats(Session& s) {
   d["graph_iterations_run"] = g.iterations_run;
   d["graph_iterations_failed"] = g.iterations_failed;
   d["graph_exec_ns"] = g.exec_ns;
+  d["graph_intra_op_threads"] = g.threads.intra_op;
+  d["graph_blas_threads"] = g.threads.blas;
   d["graph_stall_ns"] = c.graph_stall_ns;
   d["decisions"] = c.decisions;
   d["feeds"] = c.feeds;
@@ -182,6 +185,12 @@ void init_session(py::module_& m) {
             if (s.has_runner()) s.runner().synchronize(finish);
           },
           py::arg("finish") = true)
+      .def(
+          "release_worker_pool",
+          [](Session& s) {
+            if (s.has_runner()) s.runner().release_worker_pool();
+          },
+          "the program runs on the Python thread for now: the graph worker gives its OpenMP pool back once idle")
       .def(
           "materialize",
           [](Session& s, const at::Tensor& t) {

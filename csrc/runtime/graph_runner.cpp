@@ -64,6 +64,7 @@ struct GraphRunner::State {
   std::deque<std::exception_ptr> outcomes;  // iterations waited..finished-1; null = success
   std::deque<StreamMark> marks;             // iterations finished..started-1: Python's stream then
   bool stopping = false;
+  bool release_pool = false;  // release_pool() asked; the worker's next idle wait takes it
   RunnerStats stats;
   std::deque<std::pair<int64_t, int64_t>> spans;  // for timelines
 
@@ -119,17 +120,38 @@ GraphRunner::GraphRunner(std::shared_ptr<Executor> executor, std::shared_ptr<Con
 
 GraphRunner::~GraphRunner() { stop(/*join=*/true); }
 
+namespace {
+// How long the worker waits for an iteration before it gives its OpenMP pool back.
+constexpr std::chrono::milliseconds kPoolIdle{20};
+}  // namespace
+
 void GraphRunner::worker_main(std::shared_ptr<State> s) {
   c10::setThreadName("terra_graph");
-  // A new thread's OpenMP team size is the library default (all cores), not what the user set
-  // with torch.set_num_threads; take the process setting.
-  at::init_num_threads();
+  // The process's intra-op setting, with MKL's team capped so that Python keeps a core
+  // (runtime/worker_threads.h).
+  const WorkerThreadBudget threads = adopt_worker_thread_budget();
   // A new thread starts with default TLS (grad mode on); the graph holds its backward ops
   // explicitly and updates leaves in place, so it runs without autograd.
   c10::GradMode::set_enabled(false);
   std::unique_lock lock(s->mu);
+  s->stats.threads = threads;
   while (true) {
-    s->work_cv.wait(lock, [&] { return s->stopping || s->finished < s->started; });
+    auto has_work = [&] { return s->stopping || s->finished < s->started; };
+    auto wake = [&] { return has_work() || s->release_pool; };
+    // The program runs eagerly or traces on the Python thread (release_pool(), or no iteration
+    // for a while): its kernels would share the cores with this thread's idle OpenMP pool
+    // (runtime/worker_threads.h). Between co-executed iterations the wait is far shorter.
+    if (!s->work_cv.wait_for(lock, kPoolIdle, wake)) s->release_pool = true;
+    while (!has_work()) {
+      if (s->release_pool) {
+        s->release_pool = false;
+        lock.unlock();
+        release_openmp_pool();
+        adopt_worker_thread_budget();  // MKL's team on this thread goes with the pool
+        lock.lock();
+      }
+      s->work_cv.wait(lock, wake);
+    }
     if (s->stopping) {
       for (int64_t it = s->finished; it < s->started; ++it) {
         s->outcomes.push_back(std::make_exception_ptr(
@@ -170,6 +192,7 @@ int64_t GraphRunner::start_iteration() {
     state_->marks.push_back(std::move(mark));
     it = state_->started++;
     ++state_->stats.iterations_started;
+    state_->release_pool = false;  // co-executing again: the pool is wanted
   }
   state_->work_cv.notify_all();
   return it;
@@ -271,6 +294,14 @@ int64_t GraphRunner::in_flight() const {
 std::vector<std::pair<int64_t, int64_t>> GraphRunner::spans() const {
   std::lock_guard lock(state_->mu);
   return {state_->spans.begin(), state_->spans.end()};
+}
+
+void GraphRunner::release_pool() {
+  {
+    std::lock_guard lock(state_->mu);
+    state_->release_pool = true;
+  }
+  state_->work_cv.notify_all();
 }
 
 RunnerStats GraphRunner::stats() const {

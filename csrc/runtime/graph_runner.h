@@ -25,6 +25,7 @@
 
 #include "runtime/channels.h"
 #include "runtime/executor.h"
+#include "runtime/worker_threads.h"
 
 namespace terra::runtime {
 
@@ -34,6 +35,7 @@ struct RunnerStats {
   int64_t iterations_failed = 0;  // error, cancel, or shut down before running
   int64_t exec_ns = 0;            // wall time inside Executor::run (includes graph stalls)
   int64_t python_wait_ns = 0;     // Python blocked in wait_iteration / synchronize
+  WorkerThreadBudget threads;     // the worker's intra-op and MKL teams (runtime/worker_threads.h)
 };
 
 class GraphRunner {
@@ -72,6 +74,9 @@ class GraphRunner {
   // exits on its own). Idempotent; a no-op after shutdown().
   void abandon();
   bool is_shut_down() const;
+  // The program runs on the Python thread for now (eager or tracing): once the worker has no
+  // iteration to run, it gives its OpenMP pool back (runtime/worker_threads.h). Never blocks.
+  void release_pool();
   // How many iterations are started and not finished.
   int64_t in_flight() const;
   RunnerStats stats() const;

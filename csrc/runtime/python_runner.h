@@ -123,6 +123,8 @@ class PythonRunner final : public capture::CoExecHook {
 
   PythonRunnerStats stats() const { return stats_; }
   RunnerStats graph_stats() const { return runner_->stats(); }
+  // The program runs on the Python thread for now (GraphRunner::release_pool).
+  void release_worker_pool() { runner_->release_pool(); }
   std::vector<std::pair<int64_t, int64_t>> graph_spans() const { return runner_->spans(); }
   ChannelStats channel_stats() const { return channel_->stats(); }
   size_t table_size() const { return values_->size(); }

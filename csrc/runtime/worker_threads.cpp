@@ -1,0 +1,79 @@
+#include "runtime/worker_threads.h"
+
+#include <ATen/Parallel.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
+#include "common/env.h"
+
+// MKL's per-thread team size, by its C name (mkl_service.h maps mkl_set_num_threads_local to it;
+// the lower-case symbol libtorch exports is the Fortran entry, which takes a pointer). Weak: a
+// torch build without MKL (aarch64 wheels use OpenBLAS) leaves it null, and the worker keeps the
+// process setting.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+// OpenMP 5.0 (libgomp since GCC 9, torch's bundled copy included): frees the calling thread's
+// pool. Weak, like the above: another OpenMP runtime, or none, leaves it null.
+extern "C" int omp_pause_resource_all(int kind) __attribute__((weak));
+extern "C" void omp_set_num_threads(int n) __attribute__((weak));
+
+namespace terra::runtime {
+
+namespace {
+
+// The cores this process may run on (its affinity mask, which a container or taskset narrows),
+// not the machine's.
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// TERRA_WORKER_BLAS_THREADS, or -1 when unset or not a number >= 0.
+int blas_override() {
+  static const int value = [] {
+    const char* env = std::getenv("TERRA_WORKER_BLAS_THREADS");
+    if (env == nullptr || *env == '\0') return -1;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    return end != env && *end == '\0' && v >= 0 ? static_cast<int>(v) : -1;
+  }();
+  return value;
+}
+
+}  // namespace
+
+WorkerThreadBudget adopt_worker_thread_budget() {
+  at::init_num_threads();  // the process's intra-op setting, on this thread's OpenMP and MKL teams
+  WorkerThreadBudget budget;
+  budget.intra_op = at::get_num_threads();
+  if (MKL_Set_Num_Threads_Local == nullptr) return budget;
+  const int override = blas_override();
+  if (override == 0) {
+    budget.blas = budget.intra_op;  // as the process set it
+    return budget;
+  }
+  budget.blas = override > 0 ? override : std::min(budget.intra_op, std::max(1, usable_cores() - 1));
+  MKL_Set_Num_Threads_Local(budget.blas);
+  return budget;
+}
+
+void release_openmp_pool() {
+  static const bool enabled = !common::switched_off("TERRA_OPENMP_POOL_RELEASE");
+  if (!enabled || omp_pause_resource_all == nullptr || omp_set_num_threads == nullptr) return;
+  const int team = at::get_num_threads();
+  if (team <= 1 || at::in_parallel_region()) return;
+  constexpr int kOmpPauseSoft = 1;  // omp_pause_soft: threads go, the runtime stays initialized
+  omp_pause_resource_all(kOmpPauseSoft);
+  // libgomp frees the thread's implicit task with its pool, and with it the team size the
+  // thread was given (torch.set_num_threads): the next region would take the library default.
+  omp_set_num_threads(team);
+}
+
+}  // namespace terra::runtime

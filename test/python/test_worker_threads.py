@@ -1,0 +1,124 @@
+"""The graph worker's threads (csrc/runtime/worker_threads.h), in child processes whose intra-op
+thread count the test sets: torch's default on a multi-core machine is all cores, and that is
+where co-execution's worker and Python compete for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+LIMIT_S = 240
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not torch.backends.openmp.is_available(),
+                                     reason="needs 2 cores and an OpenMP build of torch")
+
+
+def run_child(source: str) -> dict:
+    env = dict(os.environ, TERRA_SPEED_CHECK="0")  # every iteration co-executes: the comparison is of results
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
+                          timeout=LIMIT_S, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# A training loop whose loss ends in a full reduction over 2**20 floats: ATen splits that sum
+# among the intra-op threads, so its bits depend on how many there are.
+PROGRAM = """
+    import json, os, torch, torch.nn as nn, torch.nn.functional as F
+    import terra_torch
+    torch.set_num_threads(2)
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))
+        return model, torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4096, 64, generator=gen) for _ in range(3)]
+
+    def step(model, opt, i):
+        out = model(batches[i % 3])
+        loss = (out * out).sum() / out.numel()
+        opt.zero_grad(); loss.backward(); opt.step()
+        return loss.detach()
+
+    def run(threads, wrap, steps):
+        torch.set_num_threads(threads)
+        net, opt = build()
+        model = terra_torch.wrap(net) if wrap else net
+        losses = [step(model, opt, i) for i in range(steps)]
+        if wrap:
+            terra_torch.synchronize()
+        return net, model, [l.item() for l in losses], [p.detach().clone() for p in net.parameters()]
+"""
+
+
+@needs_two_cores
+def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
+    """torch's default team (2 threads on 2 cores): the worker keeps the team for ATen's kernels,
+    so a full reduction gives eager's bits, and runs MKL with one thread fewer than the cores
+    (MKL's GEMMs give the same bits for any team)."""
+    out = run_child(PROGRAM + """
+    _, _, eager2, p2 = run(2, False, 30)
+    _, _, eager1, _ = run(1, False, 30)
+    net, model, terra, pt = run(2, True, 30)
+    s = terra_torch.stats(model)
+    print(json.dumps({"team_matters": eager1 != eager2, "losses": eager2 == terra,
+                      "params": all(torch.equal(a, b) for a, b in zip(p2, pt)),
+                      "coexec": s.iterations["coexec"], "intra": s.runner["graph_intra_op_threads"],
+                      "blas": s.runner["graph_blas_threads"], "mkl": torch.backends.mkl.is_available()}))
+    """)
+    # Otherwise the comparison below could not tell a one-thread worker from a two-thread one.
+    assert out["team_matters"], "eager with 1 and with 2 threads gave the same losses: the test program proves nothing"
+    assert out["coexec"] >= 25
+    assert out["losses"] and out["params"], out
+    assert out["intra"] == 2
+    assert out["blas"] == (1 if out["mkl"] else 0)
+
+
+@needs_two_cores
+def test_the_worker_gives_its_openmp_pool_back_when_the_program_leaves_coexecution():
+    """The worker's parallel regions give it an OpenMP pool (a second thread named terra_graph).
+    When the program goes back to tracing (a batch of another size diverges), the Python thread's
+    kernels must not share the cores with that idle pool: its thread exits."""
+    out = run_child(PROGRAM + """
+    import time
+
+    def graph_threads():
+        names = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                pass
+        return names.count("terra_graph")
+
+    torch.set_num_threads(2)
+    net, opt = build()
+    model = terra_torch.wrap(net)
+    most = 0
+    for i in range(12):
+        step(model, opt, i)
+        most = max(most, graph_threads())
+    phases_before = dict(terra_torch.stats(model).iterations)
+    # Another batch size: the co-executed iteration diverges, the next one traces.
+    small = batches[0][:1000]
+    for i in range(2):
+        loss = (model(small) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+    deadline = time.monotonic() + 10
+    while graph_threads() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(json.dumps({"most": most, "after": graph_threads(), "before": phases_before,
+                      "phases": dict(terra_torch.stats(model).iterations)}))
+    """)
+    assert out["before"]["coexec"] >= 8, out
+    assert out["most"] >= 2, f"the worker never had an OpenMP pool: nothing to give back ({out})"
+    assert out["phases"]["tracing"] > out["before"]["tracing"], out
+    assert out["after"] == 1, out
