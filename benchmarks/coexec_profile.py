@@ -108,7 +108,7 @@ def run_program(args: argparse.Namespace) -> None:
               ", ".join(f"{k[:-2]} {v * 1e3 / done:.3f}" for k, v in b.items()))
         for o in st["programs"]:
             r = o["runner"]
-            print("  ", o["wrapped"], {k: r[k] for k in sorted(r) if k.endswith(("reads", "waits", "stalls", "replayed"))})
+            print("  ", o["wrapped"], {k: r[k] for k in sorted(r) if k.endswith(("reads", "replayed", "threads"))})
 
 if __name__ == "__main__":
     main()

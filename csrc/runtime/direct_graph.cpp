@@ -23,6 +23,7 @@
 #include "emit/segments.h"
 #include "runtime/fused_executor.h"
 #include "runtime/gil_release.h"
+#include "runtime/worker_threads.h"
 
 namespace terra::runtime {
 
@@ -206,6 +207,7 @@ class DirectWorker {
   void loop() {
     c10::setThreadName("terra_direct");
     t_no_direct_wait = true;
+    int threads_set = 0;  // the intra-op team this thread was last given
     while (true) {
       Job job;
       {
@@ -217,7 +219,12 @@ class DirectWorker {
       std::exception_ptr error;
       // A new thread's OpenMP team is the library default (all cores), not what the program set
       // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
-      if (at::get_num_threads() != job.threads) at::set_num_threads(job.threads);
+      // MKL's team is capped as the co-execution worker's (runtime/worker_threads.h): Python runs
+      // ahead on a core of its own.
+      if (job.threads != threads_set) {
+        adopt_worker_thread_budget(job.threads);
+        threads_set = job.threads;
+      }
       try {
         job.graph->run_stack(std::move(job.stack));
       } catch (...) {

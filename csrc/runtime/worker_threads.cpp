@@ -1,11 +1,9 @@
 #include "runtime/worker_threads.h"
 
 #include <ATen/Parallel.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <thread>
 
 #include "common/env.h"
 
@@ -23,45 +21,39 @@ namespace terra::runtime {
 
 namespace {
 
-// The cores this process may run on (its affinity mask, which a container or taskset narrows),
-// not the machine's.
-int usable_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) {
-    const int n = CPU_COUNT(&set);
-    if (n > 0) return n;
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// TERRA_WORKER_BLAS_THREADS, or -1 when unset or not a number >= 0.
+// TERRA_WORKER_BLAS_THREADS, or 0 when unset or not a number >= 1.
 int blas_override() {
   static const int value = [] {
     const char* env = std::getenv("TERRA_WORKER_BLAS_THREADS");
-    if (env == nullptr || *env == '\0') return -1;
+    if (env == nullptr || *env == '\0') return 0;
     char* end = nullptr;
     const long v = std::strtol(env, &end, 10);
-    return end != env && *end == '\0' && v >= 0 ? static_cast<int>(v) : -1;
+    return end != env && *end == '\0' && v >= 1 ? static_cast<int>(v) : 0;
   }();
   return value;
+}
+
+// MKL's team on this thread for an intra-op team of `intra_op`: the same, unless
+// TERRA_WORKER_BLAS_THREADS asks for fewer (see the header).
+int cap_blas(int intra_op) {
+  const int override = blas_override();
+  if (override == 0 || MKL_Set_Num_Threads_Local == nullptr) return intra_op;
+  const int blas = std::min(intra_op, override);
+  MKL_Set_Num_Threads_Local(blas);
+  return blas;
 }
 
 }  // namespace
 
 WorkerThreadBudget adopt_worker_thread_budget() {
   at::init_num_threads();  // the process's intra-op setting, on this thread's OpenMP and MKL teams
-  WorkerThreadBudget budget;
-  budget.intra_op = at::get_num_threads();
-  if (MKL_Set_Num_Threads_Local == nullptr) return budget;
-  const int override = blas_override();
-  if (override == 0) {
-    budget.blas = budget.intra_op;  // as the process set it
-    return budget;
-  }
-  budget.blas = override > 0 ? override : std::min(budget.intra_op, std::max(1, usable_cores() - 1));
-  MKL_Set_Num_Threads_Local(budget.blas);
-  return budget;
+  const int intra_op = at::get_num_threads();
+  return {intra_op, cap_blas(intra_op)};
+}
+
+WorkerThreadBudget adopt_worker_thread_budget(int intra_op) {
+  if (at::get_num_threads() != intra_op) at::set_num_threads(intra_op);
+  return {intra_op, cap_blas(intra_op)};
 }
 
 void release_openmp_pool() {

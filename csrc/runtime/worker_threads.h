@@ -3,24 +3,22 @@
 // Eager runs every kernel on the Python thread with torch's intra-op team (torch.get_num_threads(),
 // all cores by default). Under co-execution the Python thread stays busy issuing placeholders
 // while the worker runs the kernels, so a worker with the full team asks for one core more than
-// the machine has. For ATen's own kernels that costs nothing on small tensors (at::parallel_for
-// runs inline below its grain size), but MKL's GEMMs open a parallel region for every call, of
-// any size: torch turns MKL's dynamic thread choice off (at::set_num_threads). Each small GEMM
-// then waits for a team member that has to be scheduled onto a core Python holds; on the 2-core
-// development machine, with torch's default of 2 threads, an 8-layer MLP step went from 0.24 ms
-// (1 thread) to 2-3.6 ms co-executed, against 0.37 ms eagerly (benchmarks/coexec_profile.py
-// --threads 2).
+// the machine has. ATen's own kernels run inline on small tensors (at::parallel_for below its
+// grain size), but MKL's GEMMs open a parallel region for every call, of any size (torch turns
+// MKL's dynamic thread choice off in at::set_num_threads), and each one waits for a team member
+// that has to be scheduled onto a core Python holds: on the 2-core development machine with
+// torch's default of 2 threads, an 8-layer MLP step took 2-3.6 ms co-executed against 0.37 ms
+// eagerly (benchmarks/coexec_profile.py --program mlp --threads 2), 0.22-0.30 ms with the
+// worker's MKL team at one thread.
 //
-// So the worker runs MKL with one thread fewer than the cores it may use, and at least one:
-// MKL's GEMMs gave the same bits for 1 and 2 threads on every shape tried (16x32x32 to
-// 2x1000000x2, mm, addmm and linear: they split the output, not the sum), and
-// test/python/test_worker_threads.py compares a whole co-executed training loop bitwise with
-// eager at the full team. ATen's own kernels and oneDNN keep the process's team: a full
-// reduction's result depends on the number of threads (a sum over 3M floats differs between 1
-// and 2), and co-execution gives eager's bits.
-//
-// TERRA_WORKER_BLAS_THREADS=<n> sets the worker's MKL team instead (0: leave MKL as the process
-// set it), for comparisons.
+// The worker still keeps the full team, MKL's included, because the team decides the bits: a full
+// reduction over 3M floats differs between 1 and 2 threads in ATen, and so do MKL's GEMMs with 5-7
+// rows (8x32 and 32x32 weights: 24 of 81 small shapes tried), while co-execution gives eager's
+// numbers. The speed check sends such a program to eager (terra_torch/_speed.py).
+// TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads instead: faster where
+// GEMMs are small, no longer bitwise equal to eager (last-bit differences in GEMMs).
+// test/python/test_worker_threads.py compares a co-executed loop bitwise with eager at the full
+// team, on a program whose GEMMs and reductions both change with the team.
 //
 // No idle OpenMP pool beside eager's kernels. libgomp keeps a pool of team threads per thread
 // that has opened a parallel region. Once the process's pools together hold more threads than it
@@ -36,14 +34,18 @@
 // Python's pool is kept while co-executing, although releasing it would let the worker's teams
 // spin: a spinning team member takes the core the Python thread needs, and the overhead-bound
 // programs co-execution is for went from 0.22-0.30 ms to 0.41-0.61 ms per MLP step with it
-// released (2 threads on 2 cores). Kernel-bound programs with many parallel regions (cnn_bn) are
-// slower co-executed than eager there; the speed check sends them to eager.
+// released (2 threads on 2 cores, the worker's MKL at one thread). Kernel-bound programs with many parallel regions (cnn_bn) are
+// slower co-executed than eager there; the speed check sends them to eager. Releasing Python's
+// pool only for graph-bound programs was tried (decided per 16 iterations from the two threads'
+// busy times): cnn_bn 0.80-0.93 ms per step instead of 2.4-2.9, still behind eager's 0.75-0.88,
+// dcgan 4.5 ms against 3.5 eager; and a window that misjudged the MLP released its pool for good
+// (Python makes no new one while co-executing), 0.40-0.56 ms per step. Not kept.
 #pragma once
 
 namespace terra::runtime {
 
 // What the worker thread's kernels may use: `intra_op` (torch's setting, the process's) and
-// `blas` (MKL's team on this thread; 0 where MKL is not in this torch build).
+// `blas` (MKL's team on this thread: `intra_op` unless TERRA_WORKER_BLAS_THREADS asks for fewer).
 struct WorkerThreadBudget {
   int intra_op = 1;
   int blas = 0;
@@ -52,8 +54,11 @@ struct WorkerThreadBudget {
 // Called on a worker thread before it runs kernels, and again after anything set the thread's
 // team (at::set_num_threads resets MKL's): a new thread's OpenMP team is the library default
 // (all cores), not what the user set with torch.set_num_threads, so the process setting is taken
-// first, then MKL's team is capped as above.
+// first, then MKL's team is set as above.
 WorkerThreadBudget adopt_worker_thread_budget();
+// The same with the team of the thread that launched the work (the torch.compile backend's
+// graph thread runs graphs launched with various torch.set_num_threads).
+WorkerThreadBudget adopt_worker_thread_budget(int intra_op);
 
 // Gives the calling thread's OpenMP pool back (its team threads exit; the next parallel region
 // on this thread makes a new pool of the same size). A no-op inside a parallel region, where the

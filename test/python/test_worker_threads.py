@@ -27,8 +27,9 @@ def run_child(source: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# A training loop whose loss ends in a full reduction over 2**20 floats: ATen splits that sum
-# among the intra-op threads, so its bits depend on how many there are.
+# A training loop whose results depend on the team: a full reduction over 2**20 floats (ATen
+# splits the sum among the intra-op threads) and GEMMs of 6 rows (MKL computes those differently
+# with 1 and 2 threads).
 PROGRAM = """
     import json, os, torch, torch.nn as nn, torch.nn.functional as F
     import terra_torch
@@ -36,50 +37,81 @@ PROGRAM = """
 
     def build():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))
+        model = nn.ModuleDict({"big": nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256)),
+                               "small": nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32))})
         return model, torch.optim.SGD(model.parameters(), lr=1e-4)
 
+    class Both(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, s):
+            out = self.model["big"](x)
+            return (out * out).sum() / out.numel(), self.model["small"](s)
+
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randn(4096, 64, generator=gen) for _ in range(3)]
+    batches = [(torch.randn(4096, 64, generator=gen), torch.randn(6, 8, generator=gen)) for _ in range(3)]
 
     def step(model, opt, i):
-        out = model(batches[i % 3])
-        loss = (out * out).sum() / out.numel()
+        big, small = model(*batches[i % 3])
+        loss = big + (small * small).mean()
         opt.zero_grad(); loss.backward(); opt.step()
         return loss.detach()
 
     def run(threads, wrap, steps):
         torch.set_num_threads(threads)
         net, opt = build()
-        model = terra_torch.wrap(net) if wrap else net
+        model = terra_torch.wrap(Both(net)) if wrap else Both(net)
         losses = [step(model, opt, i) for i in range(steps)]
         if wrap:
             terra_torch.synchronize()
         return net, model, [l.item() for l in losses], [p.detach().clone() for p in net.parameters()]
+
+    def team_changes(f):
+        torch.set_num_threads(1); one = f()
+        torch.set_num_threads(2); two = f()
+        return not torch.equal(one, two)
+
+    torch.manual_seed(3)
+    a, w, v = torch.randn(6, 32), torch.randn(32, 32), torch.randn(2 ** 20)
+    preconditions = {"gemm": team_changes(lambda: a @ w), "reduction": team_changes(lambda: v.sum())}
 """
 
 
 @needs_two_cores
 def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
-    """torch's default team (2 threads on 2 cores): the worker keeps the team for ATen's kernels,
-    so a full reduction gives eager's bits, and runs MKL with one thread fewer than the cores
-    (MKL's GEMMs give the same bits for any team)."""
+    """torch's default team (2 threads on 2 cores): the worker keeps it, MKL's included, so the
+    GEMMs and the full reduction give eager's bits."""
     out = run_child(PROGRAM + """
-    _, _, eager2, p2 = run(2, False, 30)
-    _, _, eager1, _ = run(1, False, 30)
-    net, model, terra, pt = run(2, True, 30)
+    _, _, eager, p_eager = run(2, False, 30)
+    net, model, terra, p_terra = run(2, True, 30)
     s = terra_torch.stats(model)
-    print(json.dumps({"team_matters": eager1 != eager2, "losses": eager2 == terra,
-                      "params": all(torch.equal(a, b) for a, b in zip(p2, pt)),
+    print(json.dumps({"pre": preconditions, "losses": eager == terra,
+                      "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
                       "coexec": s.iterations["coexec"], "intra": s.runner["graph_intra_op_threads"],
-                      "blas": s.runner["graph_blas_threads"], "mkl": torch.backends.mkl.is_available()}))
+                      "blas": s.runner["graph_blas_threads"]}))
     """)
-    # Otherwise the comparison below could not tell a one-thread worker from a two-thread one.
-    assert out["team_matters"], "eager with 1 and with 2 threads gave the same losses: the test program proves nothing"
+    # Otherwise the comparison below could not tell a worker with a smaller team.
+    if not torch.backends.mkl.is_available():
+        out["pre"].pop("gemm")
+    assert all(out["pre"].values()), f"1 and 2 threads gave the same bits here: the program proves nothing ({out})"
     assert out["coexec"] >= 25
     assert out["losses"] and out["params"], out
-    assert out["intra"] == 2
-    assert out["blas"] == (1 if out["mkl"] else 0)
+    assert out["intra"] == 2 and out["blas"] == 2
+
+
+@needs_two_cores
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's team is what the switch sets")
+def test_a_smaller_mkl_team_for_the_worker_is_opt_in():
+    """TERRA_WORKER_BLAS_THREADS=1: the worker's MKL runs with one thread, its ATen team stays."""
+    out = run_child(PROGRAM.replace("import terra_torch", "os.environ['TERRA_WORKER_BLAS_THREADS'] = '1'; import terra_torch")
+                    + """
+    net, model, terra, _ = run(2, True, 8)
+    s = terra_torch.stats(model)
+    print(json.dumps({"intra": s.runner["graph_intra_op_threads"], "blas": s.runner["graph_blas_threads"]}))
+    """)
+    assert out == {"intra": 2, "blas": 1}
 
 
 @needs_two_cores
@@ -102,16 +134,17 @@ def test_the_worker_gives_its_openmp_pool_back_when_the_program_leaves_coexecuti
 
     torch.set_num_threads(2)
     net, opt = build()
-    model = terra_torch.wrap(net)
+    model = terra_torch.wrap(Both(net))
     most = 0
     for i in range(12):
         step(model, opt, i)
         most = max(most, graph_threads())
     phases_before = dict(terra_torch.stats(model).iterations)
     # Another batch size: the co-executed iteration diverges, the next one traces.
-    small = batches[0][:1000]
+    x, s = batches[0][0][:1000], batches[0][1]
     for i in range(2):
-        loss = (model(small) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+        big, small = model(x, s)
+        loss = big + small.mean(); opt.zero_grad(); loss.backward(); opt.step()
     deadline = time.monotonic() + 10
     while graph_threads() > 1 and time.monotonic() < deadline:
         time.sleep(0.05)
