@@ -130,6 +130,19 @@ def _fused_source(program: "weakref.ref[Program]") -> Callable[[], Any]:
     return source
 
 
+def every_core_hint() -> str:
+    """Why co-execution lost, where torch's intra-op team takes every core this process may use:
+    the graph's parallel kernels then wait for a team member on the core Python runs on
+    (docs/RUNTIME.md, "The worker's intra-op threads"). Empty otherwise."""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads <= 1 or threads < cores:
+        return ""
+    return (f". torch runs its kernels on all {cores} cores (torch.get_num_threads() == {threads}), which "
+            f"leaves none to Python beside the graph: with torch.set_num_threads({cores - 1}) co-execution "
+            f"usually wins (the reference is then eager with {cores - 1} thread{'s' if cores > 2 else ''})")
+
+
 class Program:
     """One co-executed program and its phase machine."""
 
@@ -451,8 +464,8 @@ class Program:
             if v.chosen == EAGER:
                 first = not any(c["chosen"] == EAGER for c in self._stats.speed_checks[:-1])
                 (logger.warning if first else logger.info)(
-                    "%s: %s; running eagerly (the same numbers), checking again in %d iterations", self.name, why,
-                    self._speed.next_check_in)
+                    "%s: %s; running eagerly (the same numbers), checking again in %d iterations%s", self.name, why,
+                    self._speed.next_check_in, every_core_hint() if first else "")
                 self._stats.eager_reason = why
         else:
             why = f"speed check: measuring {wanted} iterations"

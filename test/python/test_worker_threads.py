@@ -155,3 +155,19 @@ def test_the_worker_gives_its_openmp_pool_back_when_the_program_leaves_coexecuti
     assert out["most"] >= 2, f"the worker never had an OpenMP pool: nothing to give back ({out})"
     assert out["phases"]["tracing"] > out["before"]["tracing"], out
     assert out["after"] == 1, out
+
+
+def test_a_speed_check_lost_to_eager_on_every_core_says_how_to_leave_python_one(monkeypatch):
+    """The first verdict for eager names the cause when torch's team takes every core: the hint
+    names the thread count that leaves Python a core, and says nothing where one is left."""
+    from terra_torch import runtime
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    hint = runtime.every_core_hint()
+    assert "all 4 cores" in hint and "torch.set_num_threads(3)" in hint
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert runtime.every_core_hint() == ""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert runtime.every_core_hint() == ""
