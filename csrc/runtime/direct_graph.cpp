@@ -219,8 +219,7 @@ class DirectWorker {
       std::exception_ptr error;
       // A new thread's OpenMP team is the library default (all cores), not what the program set
       // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
-      // MKL's team is capped as the co-execution worker's (runtime/worker_threads.h): Python runs
-      // ahead on a core of its own.
+      // MKL's team as the co-execution worker's (runtime/worker_threads.h).
       if (job.threads != threads_set) {
         adopt_worker_thread_budget(job.threads);
         threads_set = job.threads;

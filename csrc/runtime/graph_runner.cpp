@@ -127,8 +127,8 @@ constexpr std::chrono::milliseconds kPoolIdle{20};
 
 void GraphRunner::worker_main(std::shared_ptr<State> s) {
   c10::setThreadName("terra_graph");
-  // The process's intra-op setting, with MKL's team capped so that Python keeps a core
-  // (runtime/worker_threads.h).
+  // A new thread's OpenMP team is the library default (all cores), not what the user set with
+  // torch.set_num_threads: take the process's setting (runtime/worker_threads.h).
   const WorkerThreadBudget threads = adopt_worker_thread_budget();
   // A new thread starts with default TLS (grad mode on); the graph holds its backward ops
   // explicitly and updates leaves in place, so it runs without autograd.
@@ -147,7 +147,7 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
         s->release_pool = false;
         lock.unlock();
         release_openmp_pool();
-        adopt_worker_thread_budget();  // MKL's team on this thread goes with the pool
+        adopt_worker_thread_budget();  // afresh: the release freed this thread's OpenMP state
         lock.lock();
       }
       s->work_cv.wait(lock, wake);
