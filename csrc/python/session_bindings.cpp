@@ -15,7 +15,6 @@
 #include "trace/dot.h"
 #include "runtime/fused_executor.h"
 #include "runtime/session.h"
-#include "runtime/worker_threads.h"
 
 namespace py = pybind11;
 

@@ -207,7 +207,6 @@ class DirectWorker {
   void loop() {
     c10::setThreadName("terra_direct");
     t_no_direct_wait = true;
-    int threads_set = 0;  // the intra-op team this thread was last given
     while (true) {
       Job job;
       {
@@ -220,10 +219,7 @@ class DirectWorker {
       // A new thread's OpenMP team is the library default (all cores), not what the program set
       // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
       // MKL's team as the co-execution worker's (runtime/worker_threads.h).
-      if (job.threads != threads_set) {
-        adopt_worker_thread_budget(job.threads);
-        threads_set = job.threads;
-      }
+      adopt_worker_thread_budget(job.threads);
       try {
         job.graph->run_stack(std::move(job.stack));
       } catch (...) {

@@ -146,8 +146,7 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
       if (s->release_pool) {
         s->release_pool = false;
         lock.unlock();
-        release_openmp_pool();
-        adopt_worker_thread_budget();  // afresh: the release freed this thread's OpenMP state
+        release_openmp_pool();  // (keeps the thread's team size)
         lock.lock();
       }
       s->work_cv.wait(lock, wake);

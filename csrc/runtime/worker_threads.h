@@ -34,8 +34,9 @@
 // Python's pool is kept while co-executing, although releasing it would let the worker's teams
 // spin: a spinning team member takes the core the Python thread needs, and the overhead-bound
 // programs co-execution is for went from 0.22-0.30 ms to 0.41-0.61 ms per MLP step with it
-// released (2 threads on 2 cores, the worker's MKL at one thread). Kernel-bound programs with many parallel regions (cnn_bn) are
-// slower co-executed than eager there; the speed check sends them to eager. Releasing Python's
+// released (2 threads on 2 cores, the worker's MKL at one thread). Kernel-bound programs with
+// many parallel regions (cnn_bn) are slower co-executed than eager there; the speed check sends
+// them to eager. Releasing Python's
 // pool only for graph-bound programs was tried (decided per 16 iterations from the two threads'
 // busy times): cnn_bn 0.80-0.93 ms per step instead of 2.4-2.9, still behind eager's 0.75-0.88,
 // dcgan 4.5 ms against 3.5 eager; and a window that misjudged the MLP released its pool for good
@@ -57,7 +58,8 @@ struct WorkerThreadBudget {
 // first, then MKL's team is set as above.
 WorkerThreadBudget adopt_worker_thread_budget();
 // The same with the team of the thread that launched the work (the torch.compile backend's
-// graph thread runs graphs launched with various torch.set_num_threads).
+// graph thread runs graphs launched with various torch.set_num_threads): cheap when the thread
+// has that team already, so it is called per graph.
 WorkerThreadBudget adopt_worker_thread_budget(int intra_op);
 
 // Gives the calling thread's OpenMP pool back (its team threads exit; the next parallel region
