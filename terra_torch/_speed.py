@@ -16,6 +16,22 @@ Iterations of a program whose co-execution is slower, with the defaults:
     148-348   eager (200 iterations); then the two are measured in turns again ...
               the interval doubles while the decision stays (200, 400, ... 12800)
 
+Two shortcuts keep the check cheap where co-execution is far slower (a graph whose kernels
+want the core Python holds: 3-7x eager's time per iteration, docs/RUNTIME.md "The worker's
+intra-op threads"), where ~150 co-executed iterations before the first verdict would cost more
+than the rest of a short run:
+
+- *Probe.* Iterations 4-12 of co-execution note how long Python waited for the graph. Where it
+  waited more than half of the time, the graph is the limit and eager may well be faster: the
+  first check starts at once instead of after 100 iterations.
+- *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
+  iterations each take more (or each less) than `decisive` (2x) times the first mode's median,
+  or whose median does, ends the check at once for the faster mode: no noise is that wide. (A
+  mode with a faster block earlier in the check is not decided slower by a later one: load from
+  another process makes a block slower, never faster.)
+
+With both, the 2-thread MLP of that section is eager from about iteration 30 on.
+
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,
 the waits for a graph that is behind (Python runs at most two iterations ahead of it). Eager
@@ -55,16 +71,24 @@ class SpeedCheck:
     """
 
     def __init__(self, enabled: bool = True, *, first_after: int = 100, window: int = 20, settle: int = 5,
-                 interval: int = 200, max_interval: int = 12800, margin: float = 0.05) -> None:
+                 interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
+                 decisive: float = 2.0, probe: tuple[int, int] = (4, 8)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")
+        if decisive <= 1.0 + margin:
+            raise ValueError("SpeedCheck: decisive must exceed 1 + margin")
         self.enabled = enabled
         self.window = window
         self.settle = settle
         self.first_interval = interval
         self.max_interval = max_interval
         self.margin = margin
+        self.decisive = decisive
+        # Probe: after probe[0] co-executed iterations, sum the time and Python's waits of the
+        # next probe[1] (None once the probe is over): [to skip, to sum, seconds, waited].
+        self._probe_shape = probe
+        self._probe: list[float] | None = [probe[0], probe[1], 0.0, 0.0] if probe[1] > 0 else None
         self.verdicts: list[SpeedVerdict] = []
         self._half = window // 2
         self._mode = COEXEC  # the mode chosen (or being measured)
@@ -82,6 +106,12 @@ class SpeedCheck:
         """Iterations until the next measurement starts (0 while one is in progress)."""
         return self._left if self._measuring is None else 0
 
+    @property
+    def probing(self) -> bool:
+        """Whether the next co-executed iteration's `waited` (Python's waits for the graph in it)
+        is wanted by `observe`."""
+        return self._probe is not None
+
     def _start_check(self, mode: str, skip: int) -> None:
         other = EAGER if mode == COEXEC else COEXEC
         self._blocks = [other, mode, other]  # the blocks after the current one
@@ -91,10 +121,13 @@ class SpeedCheck:
         self._skip = skip
         self._mode = mode
 
-    def observe(self, mode: str, seconds: float, iteration: int) -> str:
-        """Counts one iteration that ran in `mode` and took `seconds`; returns the next mode."""
+    def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
+        """Counts one iteration that ran in `mode` and took `seconds` (of which Python waited
+        `waited` for the graph, where `probing` asked for it); returns the next mode."""
         if not self.enabled:
             return mode
+        if self._probe is not None and mode == COEXEC:
+            self._note_probe(seconds, waited)
         if self._measuring is None:
             self._left -= 1
             if self._left <= 0:  # check again, starting with the mode we are in
@@ -107,16 +140,47 @@ class SpeedCheck:
             return self._mode
         if self._block_left == self._half:
             self._samples[mode].append([])
-        self._samples[mode][-1].append(seconds)
+        block = self._samples[mode][-1]
+        block.append(seconds)
         self._block_left -= 1
+        other = EAGER if mode == COEXEC else COEXEC
+        done = [b for b in self._samples[other] if len(b) == self._half]
+        if done and (self._block_left == 0 or len(block) == min(3, self._half)):
+            # Decisive: 3 iterations, each beyond `decisive` times the other mode's median, or a
+            # whole block's median beyond it, in either direction.
+            # A block of this mode measured earlier counts too: one burst of load from another
+            # process makes a block slow, never fast.
+            best_other = min(statistics.median(b) for b in done)
+            low, high = (statistics.median(block),) * 2 if self._block_left == 0 else (min(block), max(block))
+            low = min([low] + [statistics.median(b) for b in self._samples[mode][:-1]])
+            if low > self.decisive * best_other or high * self.decisive < best_other:
+                return self._conclude(iteration, {mode: statistics.median(block), other: best_other})
         if self._block_left > 0:
             return self._mode
         if self._blocks:
             following = self._blocks.pop(0)
             self._measuring, self._mode, self._block_left, self._skip = following, following, self._half, self.settle
             return following
-        coexec_s = min(statistics.median(b) for b in self._samples[COEXEC])
-        eager_s = min(statistics.median(b) for b in self._samples[EAGER])
+        return self._conclude(iteration, {m: min(statistics.median(b) for b in self._samples[m]) for m in (COEXEC, EAGER)})
+
+    def _note_probe(self, seconds: float, waited: float | None) -> None:
+        probe = self._probe
+        assert probe is not None
+        if probe[0] > 0:
+            probe[0] -= 1
+            return
+        probe[1] -= 1
+        probe[2] += seconds
+        probe[3] += waited or 0.0
+        if probe[1] > 0:
+            return
+        self._probe = None
+        first_pending = not self.verdicts and self._measuring == COEXEC and not self._samples[COEXEC]
+        if first_pending and probe[3] > 0.5 * probe[2]:
+            self._skip = 0  # Python mostly waited for the graph: measure now
+
+    def _conclude(self, iteration: int, medians: dict[str, float]) -> str:
+        coexec_s, eager_s = medians[COEXEC], medians[EAGER]
         chosen = EAGER if coexec_s > eager_s * (1.0 + self.margin) else COEXEC
         previous = self.verdicts[-1].chosen if self.verdicts else COEXEC
         self._interval = min(self._interval * 2, self.max_interval) if chosen == previous else self.first_interval
@@ -140,3 +204,5 @@ class SpeedCheck:
         measurement in progress starts over once it co-executes again."""
         if self._measuring is not None:  # (the first measurement still waits its first_after)
             self._start_check(COEXEC, skip=max(self._skip, self.settle))
+        if self._probe is not None:  # (the probe's iterations must be of one graph)
+            self._probe = [self._probe_shape[0], self._probe_shape[1], 0.0, 0.0]

@@ -198,6 +198,7 @@ class Program:
         # iteration that counts, the next begin() measures it.
         self._speed_pending: str | None = None
         self._speed_compiles = 0  # the segment compiler's `changes` the speed check has seen
+        self._stall_mark_ns = 0  # the session's Python stall sum when the check last probed
         self._last_begin_ns = 0
         _programs.add(self)
 
@@ -451,8 +452,15 @@ class Program:
         if self._compiler is not None and self._compiler.changes != self._speed_compiles and self._compiler.idle:
             self._speed_compiles = self._compiler.changes
             self._speed.recheck()
+        waited = None
+        if mode == COEXEC and self._speed.probing:
+            # Python's waits for the graph in this iteration (the session's sums only grow, and
+            # start again at zero with a new session)
+            stall_ns = self._session.python_times()[1]
+            waited = max(0, stall_ns - self._stall_mark_ns) / 1e9
+            self._stall_mark_ns = stall_ns
         checks = len(self._speed.verdicts)
-        wanted = self._speed.observe(mode, seconds, self.iteration)
+        wanted = self._speed.observe(mode, seconds, self.iteration, waited)
         if wanted == mode and len(self._speed.verdicts) == checks:
             return  # (nearly every iteration: nothing to report, nothing to move)
         if len(self._speed.verdicts) > checks:

@@ -8,6 +8,7 @@ nothing reliably), bitwise against eager.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -107,11 +108,65 @@ def test_a_change_of_the_graph_side_is_measured_again_soon():
         [COEXEC, COEXEC, COEXEC, EAGER]
 
 
+def feed_waiting(check: SpeedCheck, times: dict[str, float], n: int, waited: float) -> str:
+    """Like feed, and co-executed iterations report that Python waited `waited` of their time
+    for the graph."""
+    modes, mode = [], check.mode
+    for i in range(n):
+        modes.append(mode)
+        t = times[mode]
+        mode = check.observe(mode, t, i, t * waited if check.probing else None)
+    return "".join(m[0] for m in modes)
+
+
+def test_a_program_waiting_for_its_graph_is_checked_at_once():
+    # Python waits for the graph most of the time (its kernels fight Python for a core): the
+    # probe (co-executed iterations 4-12) starts the first check at once, and the check ends as
+    # soon as eager's first 3 iterations are each under half the co-executed median.
+    times = {COEXEC: 3.0, EAGER: 0.4}
+    modes = feed_waiting(SpeedCheck(window=20, settle=5), times, 60, waited=0.8)
+    # (the probe's last iteration is the first of the check's co-executed block)
+    assert modes == "c" * (12 + 10 - 1) + "e" * 39, modes
+    # Python waits little: the first check comes after 100 co-executed iterations, as before.
+    check = SpeedCheck(window=20, settle=5)
+    modes = feed_waiting(check, times, 200, waited=0.2)
+    assert modes.index("e") == 100
+    assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration < 120
+    # The probe starts over after a fallback (its iterations must be of one graph).
+    check = SpeedCheck(window=20, settle=5)
+    for i in range(10):
+        check.observe(COEXEC, 3.0, i, 2.9 if check.probing else None)
+    check.restart()
+    assert check.probing
+
+
+def test_a_decisive_gap_ends_a_check_early_in_both_directions():
+    # Co-execution at 7x eager's time: a recheck from eager costs one eager block, `settle` and
+    # 3 co-executed iterations, not two blocks of each.
+    check = SpeedCheck(first_after=20, window=20, settle=5, interval=200, max_interval=12800)
+    modes = feed(check, {COEXEC: 2.8, EAGER: 0.4}, 2000)
+    assert all(v.chosen == EAGER for v in check.verdicts) and len(check.verdicts) >= 4
+    assert modes.count(COEXEC) <= 20 + 5 + 3 + (len(check.verdicts) - 1) * (5 + 3), modes.count(COEXEC)
+    # Co-execution at a third of eager's time: eager's block ends after 3 iterations.
+    check = SpeedCheck(first_after=20, window=20, settle=5, interval=200)
+    modes = feed(check, {COEXEC: 0.3, EAGER: 0.9}, 40)
+    assert "".join(m[0] for m in modes[:40]) == "c" * 20 + "e" * (5 + 3) + "c" * 12
+    assert check.verdicts[0].chosen == COEXEC
+    # Within the decisive factor every block is measured, as before.
+    check = SpeedCheck(first_after=4, window=4, settle=1, interval=50)
+    feed(check, {COEXEC: 1.9, EAGER: 1.0}, 2 + 2 + (1 + 2) * 3 - 1)  # (skip, 4 blocks, 3 settles)
+    assert not check.verdicts
+    feed(check, {COEXEC: 1.9, EAGER: 1.0}, 1, start=12)
+    assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration == 12
+
+
 def test_disabled_never_moves():
     check = SpeedCheck(False, first_after=2, window=2, settle=0)
     assert feed(check, {COEXEC: 9.0, EAGER: 1.0}, 20) == [COEXEC] * 20
     with pytest.raises(ValueError):
         SpeedCheck(first_after=2, window=5)
+    with pytest.raises(ValueError):
+        SpeedCheck(decisive=1.0)
 
 
 def train(terra: bool, optimizer: str, steps: int = 90, schedule=None):
@@ -213,3 +268,34 @@ def test_a_read_heavy_loop_is_measured_and_the_decision_is_reported(caplog):
     if any(c["chosen"] == EAGER for c in st.speed_checks):
         assert "speed check" in st.eager_reason
         assert any("running eagerly (the same numbers)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_graph_bound_loop_is_checked_within_its_first_iterations():
+    """A real loop whose graph is the limit (large GEMMs, a cheap Python side): Python waits
+    for the graph through the probe, so the first comparison ends within ~70 iterations instead
+    of after ~150 (measuring starts after 100), whatever it decides; the numbers stay eager's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 1))
+    runs = []
+    for terra in (False, True):
+        m = copy.deepcopy(net)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        if terra:
+            m = terra_torch.wrap(m)
+            m._terra_program._speed = SpeedCheck(True)
+        x = torch.randn(256, 384, generator=torch.Generator().manual_seed(3))
+        losses = []
+        for _ in range(90):
+            loss = m(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        if terra:
+            terra_torch.synchronize()
+            st = terra_torch.stats(m)
+            terra_torch.unwrap(m)
+        runs.append((losses, [p.detach().clone() for p in m.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert st.speed_checks and st.speed_checks[0]["iteration"] < 90, (st.speed_checks, st.iterations)
