@@ -7,30 +7,31 @@ instead of overlapping, and a co-executed iteration can take longer than an eage
 docs/RUNTIME.md, "Speed check"). `SpeedCheck` measures both on the program itself and keeps the
 faster, checking again now and then (the data, the batch size or the machine's load change).
 
-Iterations of a program whose co-execution is slower, with the defaults:
+Iterations of a program whose co-execution is slower (by less than `decisive`, below), with
+the defaults:
 
     0-3       tracing
-    3-103     co-executed; the last 10 of them are measured (wall time per iteration)
-    103-148   eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch):
+    3-43      co-executed; the last 10 of them are measured (wall time per iteration)
+    43-88     eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch):
               medians of 20 per mode; co-execution was slower -> stay eager
-    148-348   eager (200 iterations); then the two are measured in turns again ...
+    88-288    eager (200 iterations); then the two are measured in turns again ...
               the interval doubles while the decision stays (200, 400, ... 12800)
 
-Two shortcuts keep the check cheap where co-execution is far slower (a graph whose kernels
-want the core Python holds: 3-7x eager's time per iteration, docs/RUNTIME.md "The worker's
-intra-op threads"), where ~150 co-executed iterations before the first verdict would cost more
-than the rest of a short run:
+Two shortcuts keep the check cheap where one mode is far slower. Co-execution can be 3-7x
+slower than eager where the graph's kernels want the core Python holds (docs/RUNTIME.md, "The
+worker's intra-op threads"); each such iteration before a verdict costs several eager ones.
 
-- *Probe.* Iterations 4-12 of co-execution note how long Python waited for the graph. Where it
-  waited more than half of the time, the graph is the limit and eager may well be faster: the
-  first check starts at once instead of after 100 iterations.
+- *Probe.* Co-executed iterations 4-12 note how long Python waited for the graph. Where it
+  waited more than half of their time, the graph is the limit and eager may well be faster: the
+  first check starts at once.
 - *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
-  iterations each take more (or each less) than `decisive` (2x) times the first mode's median,
-  or whose median does, ends the check at once for the faster mode: no noise is that wide. (A
-  mode with a faster block earlier in the check is not decided slower by a later one: load from
-  another process makes a block slower, never faster.)
+  iterations each take more (or each less) than `decisive` (1.5x) times the first mode's median,
+  or whose median does, ends the check at once for the faster mode. A mode with a faster block
+  earlier in the same check is not decided slower by a later one: load from another process
+  makes a block slower, never faster.
 
-With both, the 2-thread MLP of that section is eager from about iteration 30 on.
+With both, the 2-thread MLP of that section runs eagerly from iteration ~28 on, and each later
+check co-executes 8 iterations (`settle` and 3).
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,
@@ -70,9 +71,9 @@ class SpeedCheck:
     load from another process during one block does not decide.
     """
 
-    def __init__(self, enabled: bool = True, *, first_after: int = 100, window: int = 20, settle: int = 5,
+    def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
                  interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
-                 decisive: float = 2.0, probe: tuple[int, int] = (4, 8)) -> None:
+                 decisive: float = 1.5, probe: tuple[int, int] = (4, 8)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")

@@ -45,9 +45,10 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
     absolute 1e-5, as torch.compile's accuracy checks): results within that tolerance of eager,
     not bitwise; `explain()` lists what stays interpreted and why (docs/RUNTIME.md, "Compiled
     segments").
-    speed_check: after 100 co-executed iterations, and again now and then, time co-executed
-    iterations against eager ones and run eagerly while eager is faster (the numbers are the same
-    either way; terra_torch/_speed.py). False: always co-execute.
+    speed_check: after 40 co-executed iterations (12 where Python mostly waits for the graph),
+    and again now and then, time co-executed iterations against eager ones and run eagerly while
+    eager is faster (the numbers are the same either way; terra_torch/_speed.py). False: always
+    co-execute.
     warm_start: keep the program's traces in a cache folder and, in a later run of the same code
     with the same module structure, co-execute from the first iteration instead of tracing again
     (docs/RUNTIME.md, "Warm start"). True: $TERRA_CACHE_DIR/programs (default

@@ -34,12 +34,12 @@ def feed(check: SpeedCheck, times: dict[str, float], n: int, start: int = 0) -> 
 
 def test_slower_coexecution_moves_to_eager_after_both_are_measured_in_turns():
     check = SpeedCheck(first_after=10, window=4, settle=2, interval=8, max_interval=32)
-    modes = feed(check, {COEXEC: 2.0, EAGER: 1.0}, 22)
+    modes = feed(check, {COEXEC: 1.4, EAGER: 1.0}, 22)
     # 10 co-executed (the last 2 measured), then eager, co-executed and eager again: 2 to settle
     # after each switch and 2 measured each time.
     assert "".join(m[0] for m in modes) == "c" * 10 + "e" * 4 + "c" * 4 + "e" * 4
     first = check.verdicts[0]
-    assert (first.iteration, first.coexec_s, first.eager_s, first.chosen) == (21, 2.0, 1.0, EAGER)
+    assert (first.iteration, first.coexec_s, first.eager_s, first.chosen) == (21, 1.4, 1.0, EAGER)
     assert check.mode == EAGER and check.next_check_in == 8
 
 
@@ -93,7 +93,7 @@ def test_a_change_of_the_graph_side_is_measured_again_soon():
     # chosen for 200 iterations; compiled code arrives: recheck() measures again after `settle`
     # iterations, and the faster co-execution is chosen.
     check = SpeedCheck(first_after=4, window=2, settle=2, interval=200)
-    feed(check, {COEXEC: 2.0, EAGER: 1.0}, 13)
+    feed(check, {COEXEC: 1.4, EAGER: 1.0}, 13)
     assert check.verdicts[0].chosen == EAGER and check.mode == EAGER and check.next_check_in == 200
     check.recheck()
     modes = feed(check, {COEXEC: 0.5, EAGER: 1.0}, 20, start=13)
@@ -127,11 +127,11 @@ def test_a_program_waiting_for_its_graph_is_checked_at_once():
     modes = feed_waiting(SpeedCheck(window=20, settle=5), times, 60, waited=0.8)
     # (the probe's last iteration is the first of the check's co-executed block)
     assert modes == "c" * (12 + 10 - 1) + "e" * 39, modes
-    # Python waits little: the first check comes after 100 co-executed iterations, as before.
+    # Python waits little: the first check comes after `first_after` co-executed iterations.
     check = SpeedCheck(window=20, settle=5)
     modes = feed_waiting(check, times, 200, waited=0.2)
-    assert modes.index("e") == 100
-    assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration < 120
+    assert modes.index("e") == 40
+    assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration < 60
     # The probe starts over after a fallback (its iterations must be of one graph).
     check = SpeedCheck(window=20, settle=5)
     for i in range(10):
@@ -154,9 +154,9 @@ def test_a_decisive_gap_ends_a_check_early_in_both_directions():
     assert check.verdicts[0].chosen == COEXEC
     # Within the decisive factor every block is measured, as before.
     check = SpeedCheck(first_after=4, window=4, settle=1, interval=50)
-    feed(check, {COEXEC: 1.9, EAGER: 1.0}, 2 + 2 + (1 + 2) * 3 - 1)  # (skip, 4 blocks, 3 settles)
+    feed(check, {COEXEC: 1.45, EAGER: 1.0}, 2 + 2 + (1 + 2) * 3 - 1)  # (skip, 4 blocks, 3 settles)
     assert not check.verdicts
-    feed(check, {COEXEC: 1.9, EAGER: 1.0}, 1, start=12)
+    feed(check, {COEXEC: 1.45, EAGER: 1.0}, 1, start=12)
     assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration == 12
 
 
