@@ -42,7 +42,7 @@ import torch
 log = logging.getLogger("terra_torch.fused")
 
 # Bumped when the way a body becomes a package changes: older packages are not reused.
-_COMPILER_VERSION = 3
+_COMPILER_VERSION = 4
 
 
 def cache_root() -> Path:
@@ -63,7 +63,12 @@ def _overload(name: str, overload: str) -> torch._ops.OpOverload:
 def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.GraphModule:
     """The segment body as an FX GraphModule of the same aten overloads. Its arguments follow
     the call plan (csrc/runtime/fused_executor.h, CallPlan): the direct inputs, then one flat
-    tensor per base, over which the other inputs are rebuilt with as_strided."""
+    tensor per base, over which the other inputs are rebuilt with as_strided.
+
+    A direct input the plan marks `wrapped` is a Python number of the program, fed as a 0-dim
+    tensor that eager's type promotion ranks below every tensor (`0.01 * a.sum()` stays
+    float32). Compiled code sees a plain 0-dim float64 tensor, which would make that product
+    float64, so each use is cast first to the dtype eager computes the op in (_WrappedCasts)."""
     graph = torch.fx.Graph()
     values: dict[int, torch.fx.Node] = {}
     for input_index, *_ in plan["direct"]:
@@ -72,17 +77,24 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
     for input_index, base, sizes, strides, offset in plan["views"]:
         values[input_index] = graph.call_function(torch.ops.aten.as_strided.default,
                                                   (bases[base], sizes, strides, offset))
+    casts = _WrappedCasts.of(plan)
     for name, overload, args, outs in body["nodes"]:
         op = _overload(name, overload)
         positional: list[Any] = []
         keywords: dict[str, Any] = {}
-        for spec, (kind, v) in zip(op._schema.arguments, args):
+        resolved = [(spec, kind, v) for spec, (kind, v) in zip(op._schema.arguments, args)]
+        cast_to = casts.dtype_for(op, resolved) if casts else None
+        for spec, kind, v in resolved:
             value = values[v] if kind == "v" else v
+            if cast_to is not None and kind == "v" and v in casts.wrapped:
+                value = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": cast_to})
             if spec.kwarg_only:
                 keywords[spec.name] = value
             else:
                 positional.append(value)
         node = graph.call_function(op, tuple(positional), keywords)
+        if casts:
+            casts.follow(op, resolved, outs)
         if len(outs) == 1:
             values[outs[0]] = node
         else:
@@ -92,11 +104,95 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
+class _WrappedCasts:
+    """The dtypes a segment's ops compute in where a wrapped number is among their inputs.
+
+    Follows the body on fake tensors of the plan's layouts (values by id, as in build_module)
+    and asks torch's own promotion rule (torch._prims_common.elementwise_dtypes, which ranks a
+    Python number below 0-dim tensors and those below the others, as TensorIterator does) with
+    each wrapped input given as a Python number of its kind:
+
+        a: float32 [7];  s: wrapped float64
+        mul(sum(a), s)   ->  elementwise_dtypes(<float32 0-dim>, 1.0) -> float32: s cast to it
+
+    The cast value is the one eager's kernel uses (the double rounded to float32); for float16
+    and bfloat16 eager keeps the scalar in float32, so there the compiled result may differ in
+    the last bits, within the executor's check. Where following the body fails (an op fake
+    tensors cannot run), nothing is cast: the check then refuses a result of another dtype, as
+    before."""
+
+    def __init__(self, plan: dict[str, list[Any]]) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.wrapped = {d[0] for d in plan["direct"] if len(d) > 5 and d[5]}
+        self._mode = FakeTensorMode()
+        self._fakes: dict[int, Any] | None = {}
+        with self._mode:
+            for input_index, sizes, strides, dtype, device, *_ in plan["direct"]:
+                self._fakes[input_index] = torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+            bases = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in plan["bases"]]
+            for input_index, base, sizes, strides, offset in plan["views"]:
+                self._fakes[input_index] = bases[base].as_strided(sizes, strides, offset)
+
+    @classmethod
+    def of(cls, plan: dict[str, list[Any]]) -> "_WrappedCasts | None":
+        if not any(len(d) > 5 and d[5] for d in plan["direct"]):
+            return None
+        return cls(plan)
+
+    def dtype_for(self, op: Any, resolved: list[tuple[Any, str, Any]]) -> torch.dtype | None:
+        if self._fakes is None or not any(kind == "v" and v in self.wrapped for _, kind, v in resolved):
+            return None
+        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+        operands: list[Any] = []
+        for _, kind, v in resolved:
+            if kind != "v":
+                continue
+            fake = self._fakes.get(v)
+            if not isinstance(fake, torch.Tensor):
+                return None
+            if v in self.wrapped:
+                operands.append(True if fake.dtype == torch.bool else 1j if fake.dtype.is_complex
+                                else 1.0 if fake.dtype.is_floating_point else 1)
+            else:
+                operands.append(fake)
+        if all(not isinstance(o, torch.Tensor) for o in operands):
+            return None  # (wrapped numbers only: eager keeps their dtype, and so does the graph)
+        try:
+            _, common = elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        except Exception:  # (not an elementwise op: leave it as it is)
+            return None
+        return common
+
+    def follow(self, op: Any, resolved: list[tuple[Any, str, Any]], outs: list[int]) -> None:
+        """Runs the op on the fakes, so that later ops see its outputs' dtypes and dims."""
+        if self._fakes is None:
+            return
+        try:
+            args, kwargs = [], {}
+            for spec, kind, v in resolved:
+                value = self._fakes[v] if kind == "v" else v
+                if spec.kwarg_only:
+                    kwargs[spec.name] = value
+                else:
+                    args.append(value)
+            with self._mode:
+                result = op(*args, **kwargs)
+        except Exception as e:  # (an op fake tensors cannot run: stop following)
+            log.debug("wrapped-number casts stop at %s: %s", op, e)
+            self._fakes = None
+            return
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for out, r in zip(outs, results):
+            self._fakes[out] = r
+
+
 def example_arguments(plan: dict[str, list[Any]]) -> tuple[torch.Tensor, ...]:
     """Arguments of the plan's layouts (values do not matter: every segment op has tensor
     results of static shapes)."""
     direct = [torch.empty_strided(sizes, strides, dtype=dtype, device=device).zero_()
-              for _, sizes, strides, dtype, device in plan["direct"]]
+              for _, sizes, strides, dtype, device, *_ in plan["direct"]]
     bases = [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype, device in plan["bases"]]
     return tuple(direct + bases)
 

@@ -97,7 +97,8 @@ void init_fused(py::module_& m) {
             };
             py::list direct, bases, views;
             for (const runtime::CallPlan::Direct& d : req->plan.direct)
-              direct.append(py::make_tuple(d.input, d.layout.sizes, d.layout.strides, dtype(d.layout.dtype), d.layout.device.str()));
+              direct.append(py::make_tuple(d.input, d.layout.sizes, d.layout.strides, dtype(d.layout.dtype),
+                                           d.layout.device.str(), d.layout.wrapped));
             for (const runtime::CallPlan::Base& b : req->plan.bases)
               bases.append(py::make_tuple(b.numel, dtype(b.dtype), b.device.str()));
             for (const runtime::CallPlan::View& v : req->plan.views)

@@ -111,7 +111,8 @@ std::variant<CallPlan, std::string> plan_of(const std::vector<at::Tensor>& input
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
     if (base_of[i] < 0) {
-      plan.direct.push_back({i, {t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device()}});
+      plan.direct.push_back({i, {t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device(),
+                                 t.unsafeGetTensorImpl()->is_wrapped_number()}});
     } else {
       plan.views.push_back({i, static_cast<size_t>(base_of[i]), t.sizes().vec(), t.strides().vec(), t.storage_offset()});
     }
@@ -129,7 +130,8 @@ bool fits(const CallPlan& plan, const std::vector<at::Tensor>& inputs, const std
   for (const CallPlan::Direct& d : plan.direct) {
     const at::Tensor& t = inputs[d.input];
     if (t.sizes() != c10::IntArrayRef(d.layout.sizes) || t.strides() != c10::IntArrayRef(d.layout.strides) ||
-        t.scalar_type() != d.layout.dtype || t.device() != d.layout.device)
+        t.scalar_type() != d.layout.dtype || t.device() != d.layout.device ||
+        t.unsafeGetTensorImpl()->is_wrapped_number() != d.layout.wrapped)
       return false;
   }
   for (const CallPlan::View& v : plan.views) {

@@ -56,6 +56,10 @@ struct InputLayout {
   std::vector<int64_t> sizes, strides;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
+  // A Python number the program passed (`0.01 * t`, `mul_(momentum)`), fed as a 0-dim tensor
+  // that type promotion treats as a scalar (TensorImpl::is_wrapped_number): compiled code must
+  // promote as eager does (terra_torch/_fused.py, build_module), so it is part of the plan.
+  bool wrapped = false;
   bool operator==(const InputLayout&) const = default;
 };
 

@@ -147,6 +147,30 @@ def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
     assert all(s["state"] == "loaded" for s in g2.segments)
 
 
+def test_python_numbers_keep_eagers_type_promotion_in_compiled_code() -> None:
+    # `0.01 * <0-dim float32>` stays float32 in eager (a Python number ranks below every
+    # tensor); the graph feeds the number as a 0-dim float64 tensor, which compiled code would
+    # promote to float64: the check refused such segments ("a result has another shape or
+    # type") after a wasted compile. The plan marks the input wrapped and build_module casts it.
+    a = torch.randn(7, generator=torch.Generator().manual_seed(4))
+    n = torch.tensor(3)
+
+    def step():
+        return a.sum() * 0.01 + a.mean(), n * 2.5  # float32 0-dim; int64 0-dim * float -> float32
+
+    rec = graph.record(step)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    g.compile_segments()
+    for _ in range(2):  # the check, then a compiled run
+        out = g.run(rec, mode="fused")
+        for got, want in zip(out.outputs, step()):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    report = g.segments
+    assert report and all(s["state"] == "trusted" for s in report), report
+
+
 def test_an_input_that_is_a_strided_view_is_checked_on_its_own_strides() -> None:
     # The batch is every other column of a wider tensor: not dense, so a clone() of it is
     # contiguous. The compiled code assumes the strides of the call plan; the check's copies must
