@@ -273,7 +273,8 @@ def test_a_read_heavy_loop_is_measured_and_the_decision_is_reported(caplog):
 def test_a_graph_bound_loop_is_checked_within_its_first_iterations():
     """A real loop whose graph is the limit (large GEMMs, a cheap Python side): Python waits
     for the graph through the probe, so the first comparison ends within ~70 iterations instead
-    of after ~150 (measuring starts after 100), whatever it decides; the numbers stay eager's."""
+    of after ~150 (`first_after=100` here, so that only the probe can make it early), whatever
+    it decides; the numbers stay eager's."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 1))
     runs = []
@@ -282,7 +283,7 @@ def test_a_graph_bound_loop_is_checked_within_its_first_iterations():
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
         if terra:
             m = terra_torch.wrap(m)
-            m._terra_program._speed = SpeedCheck(True)
+            m._terra_program._speed = SpeedCheck(True, first_after=100)
         x = torch.randn(256, 384, generator=torch.Generator().manual_seed(3))
         losses = []
         for _ in range(90):
