@@ -80,18 +80,15 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
     casts = _WrappedCasts.of(plan)
     for name, overload, args, outs in body["nodes"]:
         op = _overload(name, overload)
-        positional: list[Any] = []
-        keywords: dict[str, Any] = {}
         resolved = [(spec, kind, v) for spec, (kind, v) in zip(op._schema.arguments, args)]
-        cast_to = casts.dtype_for(op, resolved) if casts else None
-        for spec, kind, v in resolved:
-            value = values[v] if kind == "v" else v
-            if cast_to is not None and kind == "v" and v in casts.wrapped:
-                value = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": cast_to})
-            if spec.kwarg_only:
-                keywords[spec.name] = value
-            else:
-                positional.append(value)
+        cast_to = casts.dtype_for(resolved) if casts else None
+
+        def node_of(v: int, cast_to: torch.dtype | None = cast_to) -> torch.fx.Node:
+            if cast_to is not None and v in casts.wrapped:
+                return graph.call_function(torch.ops.aten._to_copy.default, (values[v],), {"dtype": cast_to})
+            return values[v]
+
+        positional, keywords = _call_arguments(resolved, node_of)
         node = graph.call_function(op, tuple(positional), keywords)
         if casts:
             casts.follow(op, resolved, outs)
@@ -102,6 +99,20 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
                 values[out] = graph.call_function(operator.getitem, (node, k))
     graph.output(tuple(values[o] for o in body["outputs"]))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _call_arguments(resolved: list[tuple[Any, str, Any]], value_of: Callable[[int], Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An op's positional and keyword arguments from its body arguments (schema argument, "v"
+    for a value id or "c" for a constant, the id or constant), values looked up by value_of."""
+    positional: list[Any] = []
+    keywords: dict[str, Any] = {}
+    for spec, kind, v in resolved:
+        value = value_of(v) if kind == "v" else v
+        if spec.kwarg_only:
+            keywords[spec.name] = value
+        else:
+            positional.append(value)
+    return positional, keywords
 
 
 class _WrappedCasts:
@@ -140,7 +151,7 @@ class _WrappedCasts:
             return None
         return cls(plan)
 
-    def dtype_for(self, op: Any, resolved: list[tuple[Any, str, Any]]) -> torch.dtype | None:
+    def dtype_for(self, resolved: list[tuple[Any, str, Any]]) -> torch.dtype | None:
         if self._fakes is None or not any(kind == "v" and v in self.wrapped for _, kind, v in resolved):
             return None
         from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -169,14 +180,9 @@ class _WrappedCasts:
         """Runs the op on the fakes, so that later ops see its outputs' dtypes and dims."""
         if self._fakes is None:
             return
+        fakes = self._fakes
         try:
-            args, kwargs = [], {}
-            for spec, kind, v in resolved:
-                value = self._fakes[v] if kind == "v" else v
-                if spec.kwarg_only:
-                    kwargs[spec.name] = value
-                else:
-                    args.append(value)
+            args, kwargs = _call_arguments(resolved, fakes.__getitem__)
             with self._mode:
                 result = op(*args, **kwargs)
         except Exception as e:  # (an op fake tensors cannot run: stop following)
@@ -185,7 +191,7 @@ class _WrappedCasts:
             return
         results = result if isinstance(result, (tuple, list)) else (result,)
         for out, r in zip(outs, results):
-            self._fakes[out] = r
+            fakes[out] = r
 
 
 def example_arguments(plan: dict[str, list[Any]]) -> tuple[torch.Tensor, ...]:

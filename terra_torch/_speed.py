@@ -58,6 +58,16 @@ class SpeedVerdict:
     chosen: str
 
 
+@dataclass
+class _Probe:
+    """Co-executed iterations still to let pass, and to sum; their seconds and Python's waits."""
+
+    skip: int
+    left: int
+    seconds: float = 0.0
+    waited: float = 0.0
+
+
 class SpeedCheck:
     """Decides, from measured iteration times, whether a program co-executes or runs eagerly.
 
@@ -87,9 +97,9 @@ class SpeedCheck:
         self.margin = margin
         self.decisive = decisive
         # Probe: after probe[0] co-executed iterations, sum the time and Python's waits of the
-        # next probe[1] (None once the probe is over): [to skip, to sum, seconds, waited].
+        # next probe[1] (None once the probe is over).
         self._probe_shape = probe
-        self._probe: list[float] | None = [probe[0], probe[1], 0.0, 0.0] if probe[1] > 0 else None
+        self._probe: _Probe | None = _Probe(*probe) if probe[1] > 0 else None
         self.verdicts: list[SpeedVerdict] = []
         self._half = window // 2
         self._mode = COEXEC  # the mode chosen (or being measured)
@@ -167,17 +177,17 @@ class SpeedCheck:
     def _note_probe(self, seconds: float, waited: float | None) -> None:
         probe = self._probe
         assert probe is not None
-        if probe[0] > 0:
-            probe[0] -= 1
+        if probe.skip > 0:
+            probe.skip -= 1
             return
-        probe[1] -= 1
-        probe[2] += seconds
-        probe[3] += waited or 0.0
-        if probe[1] > 0:
+        probe.left -= 1
+        probe.seconds += seconds
+        probe.waited += waited or 0.0
+        if probe.left > 0:
             return
         self._probe = None
         first_pending = not self.verdicts and self._measuring == COEXEC and not self._samples[COEXEC]
-        if first_pending and probe[3] > 0.5 * probe[2]:
+        if first_pending and probe.waited > 0.5 * probe.seconds:
             self._skip = 0  # Python mostly waited for the graph: measure now
 
     def _conclude(self, iteration: int, medians: dict[str, float]) -> str:
@@ -206,4 +216,4 @@ class SpeedCheck:
         if self._measuring is not None:  # (the first measurement still waits its first_after)
             self._start_check(COEXEC, skip=max(self._skip, self.settle))
         if self._probe is not None:  # (the probe's iterations must be of one graph)
-            self._probe = [self._probe_shape[0], self._probe_shape[1], 0.0, 0.0]
+            self._probe = _Probe(*self._probe_shape)
