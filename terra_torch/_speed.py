@@ -66,6 +66,7 @@ class _Probe:
     left: int
     seconds: float = 0.0
     waited: float = 0.0
+    skipped_s: float = 0.0
 
 
 class SpeedCheck:
@@ -82,7 +83,7 @@ class SpeedCheck:
     """
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
-                 interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
+                 settle_s: float = 0.06, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
                  decisive: float = 1.5, probe: tuple[int, int] = (4, 8)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
@@ -92,6 +93,14 @@ class SpeedCheck:
         self.enabled = enabled
         self.window = window
         self.settle = settle
+        # After a switch to co-execution, also at least this long: the OpenMP team threads of
+        # Python's eager kernels spin for libgomp's default spin count on the core the graph
+        # needs. On the 2-core development VM, 2 threads, an MLP + SGD step co-executed at
+        # 0.42 ms for the first 35-40 ms after each switch from eager (80-95 iterations), at
+        # 0.13 ms after it (eager: 0.20 ms, at full speed from its second iteration after a
+        # switch); measured inside that window, the check chose eager.
+        self.settle_s = settle_s
+        self._skipped_s = 0.0
         self.first_interval = interval
         self.max_interval = max_interval
         self.margin = margin
@@ -130,6 +139,7 @@ class SpeedCheck:
         self._measuring: str | None = mode
         self._block_left = self._half
         self._skip = skip
+        self._skipped_s = 0.0 if skip > 0 else self.settle_s  # (a check in the mode we are in: no switch)
         self._mode = mode
 
     def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
@@ -146,8 +156,9 @@ class SpeedCheck:
             return self._mode
         if mode != self._measuring:
             return self._mode
-        if self._skip > 0:
-            self._skip -= 1
+        if self._skip > 0 or (mode == COEXEC and self._skipped_s < self.settle_s):
+            self._skip = max(self._skip - 1, 0)
+            self._skipped_s += seconds
             return self._mode
         if self._block_left == self._half:
             self._samples[mode].append([])
@@ -171,14 +182,16 @@ class SpeedCheck:
         if self._blocks:
             following = self._blocks.pop(0)
             self._measuring, self._mode, self._block_left, self._skip = following, following, self._half, self.settle
+            self._skipped_s = 0.0
             return following
         return self._conclude(iteration, {m: min(statistics.median(b) for b in self._samples[m]) for m in (COEXEC, EAGER)})
 
     def _note_probe(self, seconds: float, waited: float | None) -> None:
         probe = self._probe
         assert probe is not None
-        if probe.skip > 0:
-            probe.skip -= 1
+        if probe.skip > 0 or probe.skipped_s < self.settle_s:
+            probe.skip = max(probe.skip - 1, 0)
+            probe.skipped_s += seconds
             return
         probe.left -= 1
         probe.seconds += seconds

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from terra_torch import _C, _fused, _log, _warm_start
+from terra_torch import _blas_team, _C, _fused, _log, _warm_start
 from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 from terra_torch.debug import Location
@@ -82,6 +82,10 @@ class Stats:
     # seconds that took with generating their graph; of them "import_s" merging the traces and
     # "build_s" generating the graph), plus "kept" (times this run saved it).
     warm_start: dict[str, Any] | None = None
+    # The graph worker's MKL team (terra_torch/_blas_team.py): {"threads": MKL threads of the
+    # worker (1, or torch's team), "why": why not one ("" when one), "ops": trace ops calibrated,
+    # "seconds": calibration time}; None where torch's team is one thread or there is no MKL.
+    blas_team: dict[str, Any] | None = None
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
@@ -186,6 +190,12 @@ class Program:
         self._unconverged = 0
         self._differences: list[dict[str, str]] = []
         self._previous_ops: list[Any] = []
+        # One MKL thread for the graph worker where every traced op keeps eager's bits with it
+        # (terra_torch/_blas_team.py): "" while all agree, else the first reason.
+        self._blas_why: str | None = "" if _blas_team.worth_calibrating() else None
+        if self._blas_why is not None:
+            self._stats.blas_team = {"threads": torch.get_num_threads(), "why": "no trace calibrated yet",
+                                     "ops": 0, "seconds": 0.0}
         self._eager_left: int | None = None
         self._backoff = EAGER_BACKOFF
         # Co-execution or eager, whichever is faster (terra_torch/_speed.py); TERRA_SPEED_CHECK=0
@@ -289,7 +299,7 @@ class Program:
                 if diverged:
                     fallback = self._record_fallback(region)
                     unsupported = self._session.diverged_at_unsupported()
-                    covered = self._session.add(region)
+                    covered = self._add(region)
                     self._unconverged += 1
                     self._differences.append({"op": fallback.op, "line": fallback.source_line or "<unknown line>",
                                               "how": fallback.reason})
@@ -316,7 +326,7 @@ class Program:
                 if partial:
                     self.iteration += 1
                     return
-                covered = self._session.add(region)
+                covered = self._add(region)
                 self._unconverged += 1
                 if not covered:
                     self._differences.append(self._difference(region, self._session.last_uncovered))
@@ -335,6 +345,7 @@ class Program:
                         self._give_up(str(e))
                     else:
                         self._stats.graph_builds += 1
+                        self._limit_blas_team()
                         if self._kept is not None:
                             self._keep()
                         for _node, why in self._session.unsupported():
@@ -342,6 +353,32 @@ class Program:
                             logger.warning("%s: the graph cannot run an op, its paths run eagerly: %s", self.name, why)
                         self._move("coexec", "the last traced iteration added nothing new")
             self.iteration += 1
+
+    def _add(self, region: Any) -> bool:
+        """Session.add, and the calibration of the trace's ops for the worker's MKL team."""
+        covered = self._session.add(region)
+        if self._blas_why == "" and self._stats.blas_team is not None:
+            t0 = time.perf_counter()
+            ops = region.ops()
+            verdict = _blas_team.calibrate(ops, region.externals())
+            info = self._stats.blas_team
+            info["ops"] += len(ops)
+            info["seconds"] += time.perf_counter() - t0
+            if not verdict.same:
+                self._blas_why = verdict.why
+                logger.info("%s: the graph worker keeps torch's MKL team of %d threads: %s", self.name,
+                            torch.get_num_threads(), verdict.why)
+        return covered
+
+    def _limit_blas_team(self) -> None:
+        """After a build: the new worker's MKL team (one thread, where calibration allows)."""
+        info = self._stats.blas_team
+        if info is None:
+            return
+        one = self._blas_why == "" and info["ops"] > 0
+        self._session.limit_blas_team(1 if one else 0)
+        info["threads"] = 1 if one else torch.get_num_threads()
+        info["why"] = "" if one else (self._blas_why or "no trace calibrated (a warm start)")
 
     # ---- warm start (terra_torch/_warm_start.py) -------------------------------------------
 
@@ -369,6 +406,7 @@ class Program:
             return
         info.update(loaded=True, traces=self._session.num_traces, load_s=time.perf_counter() - t0)
         self._stats.graph_builds += 1
+        self._limit_blas_team()
         self._move("coexec", f"warm start: {info['traces']} traces kept by an earlier run ({kept.path})")
 
     def _keep(self) -> None:

@@ -1,6 +1,7 @@
 // Python bindings of the capture layer (csrc/capture): regions, modes and trace records.
 // Records are converted to plain Python tuples here; terra_torch/debug.py gives them names.
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
@@ -24,7 +25,9 @@ using capture::Mode;
 using capture::Region;
 
 py::tuple meta_tuple(const capture::TensorMeta& m) {
-  return py::make_tuple(torch::jit::toPyObject(c10::IValue(m.dtype)), std::vector<int64_t>(m.sizes.begin(), m.sizes.end()),
+  // (A torch.dtype: toPyObject gives a ScalarType as the int TorchScript stores it.)
+  py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype)));
+  return py::make_tuple(dtype, std::vector<int64_t>(m.sizes.begin(), m.sizes.end()),
                         std::vector<int64_t>(m.strides.begin(), m.strides.end()), m.storage_offset,
                         m.device.str(), m.requires_grad);
 }
@@ -45,9 +48,11 @@ py::list ops_of(const Region& region) {
     for (const capture::TensorMeta& m : rec.outputs) outputs.append(meta_tuple(m));
     py::list loops;
     for (const capture::LoopFrame& l : rec.loops) loops.append(py::make_tuple(l.loop_id, l.iteration));
+    py::list attribute_arguments;
+    for (int16_t a : rec.attribute_arguments) attribute_arguments.append(a);
     out.append(py::make_tuple(c10::toString(rec.op.operator_name()), py::tuple(attributes), rec.attributes_hash,
                               py::tuple(inputs), py::tuple(outputs), rec.location, py::tuple(loops),
-                              rec.backward, rec.needs_materialization));
+                              rec.backward, rec.needs_materialization, py::tuple(attribute_arguments)));
   }
   return out;
 }

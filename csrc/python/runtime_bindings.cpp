@@ -31,6 +31,7 @@
 #include "runtime/executor.h"
 #include "runtime/fused_executor.h"
 #include "runtime/graph_runner.h"
+#include "runtime/worker_threads.h"
 #include "trace/case_assignment.h"
 #include "trace/replay.h"
 
@@ -316,6 +317,16 @@ void init_runtime(py::module_& m) {
   r.def("tolerate_idle_reducer_hooks", &runtime::tolerate_idle_reducer_hooks, py::arg("leaves"), py::arg("idle"),
         "Whether DDP's reducer hooks on these leaves are idle, so do not stop a backward replay "
         "(runtime/backward_replay.h)");
+
+  r.def("can_limit_blas_team", &runtime::can_limit_blas_team, "Whether this torch has MKL's per-thread team");
+  r.def(
+      "with_blas_team",
+      [](int threads, const py::function& fn) {
+        runtime::BlasTeamGuard team(threads);
+        return fn();
+      },
+      py::arg("threads"), py::arg("fn"),
+      "fn() with MKL's team on this thread at `threads` (terra_torch/_blas_team.py's calibration)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

@@ -191,6 +191,13 @@ void init_session(py::module_& m) {
           },
           "the program runs on the Python thread for now: the graph worker gives its OpenMP pool back once idle")
       .def(
+          "limit_blas_team",
+          [](Session& s, int threads) {
+            if (s.has_runner()) s.runner().limit_blas_team(threads);
+          },
+          py::arg("threads"),
+          "the graph worker's MKL team is at most this many threads (0: torch's setting), from its next iteration on")
+      .def(
           "materialize",
           [](Session& s, const at::Tensor& t) {
             if (s.has_runner()) s.runner().materialize(t);

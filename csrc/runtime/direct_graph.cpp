@@ -219,7 +219,7 @@ class DirectWorker {
       // A new thread's OpenMP team is the library default (all cores), not what the program set
       // with torch.set_num_threads; an oversized team on a busy machine stalls at its barriers.
       // MKL's team as the co-execution worker's (runtime/worker_threads.h).
-      adopt_worker_thread_budget(job.threads);
+      adopt_worker_thread_budget_of(job.threads);
       try {
         job.graph->run_stack(std::move(job.stack));
       } catch (...) {

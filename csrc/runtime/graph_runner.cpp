@@ -65,6 +65,8 @@ struct GraphRunner::State {
   std::deque<StreamMark> marks;             // iterations finished..started-1: Python's stream then
   bool stopping = false;
   bool release_pool = false;  // release_pool() asked; the worker's next idle wait takes it
+  int blas_cap = 0;           // limit_blas_team(); the worker applies it before its next run
+  int blas_cap_applied = 0;
   RunnerStats stats;
   std::deque<std::pair<int64_t, int64_t>> spans;  // for timelines
 
@@ -165,6 +167,10 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
     const int64_t it = s->finished;
     StreamMark mark = std::move(s->marks.front());
     s->marks.pop_front();
+    if (s->blas_cap != s->blas_cap_applied) {  // (MKL's team is per thread: set here, not by the caller)
+      s->blas_cap_applied = s->blas_cap;
+      s->stats.threads = adopt_worker_thread_budget(s->blas_cap);
+    }
     lock.unlock();
     const auto t0 = Clock::now();
     std::exception_ptr error = s->run_once(it, mark);
@@ -301,6 +307,11 @@ void GraphRunner::release_pool() {
     state_->release_pool = true;
   }
   state_->work_cv.notify_all();
+}
+
+void GraphRunner::limit_blas_team(int threads) {
+  std::lock_guard lock(state_->mu);
+  state_->blas_cap = std::max(threads, 0);
 }
 
 RunnerStats GraphRunner::stats() const {

@@ -77,6 +77,10 @@ class GraphRunner {
   // The program runs on the Python thread for now (eager or tracing): once the worker has no
   // iteration to run, it gives its OpenMP pool back (runtime/worker_threads.h). Never blocks.
   void release_pool();
+  // The worker's MKL team is at most `threads` from its next iteration on (0: torch's setting;
+  // runtime/worker_threads.h says why fewer, terra_torch/_blas_team.py when that keeps eager's
+  // bits). Never blocks.
+  void limit_blas_team(int threads);
   // How many iterations are started and not finished.
   int64_t in_flight() const;
   RunnerStats stats() const;

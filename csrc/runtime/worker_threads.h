@@ -55,12 +55,32 @@ struct WorkerThreadBudget {
 // Called on a worker thread before it runs kernels, and again after anything set the thread's
 // team (at::set_num_threads resets MKL's): a new thread's OpenMP team is the library default
 // (all cores), not what the user set with torch.set_num_threads, so the process setting is taken
-// first, then MKL's team is set as above.
-WorkerThreadBudget adopt_worker_thread_budget();
+// first, then MKL's team is set as above, at most `blas_cap` threads where that is > 0 (the
+// program's calibration found every traced op giving eager's bits with that team:
+// terra_torch/_blas_team.py).
+WorkerThreadBudget adopt_worker_thread_budget(int blas_cap = 0);
 // The same with the team of the thread that launched the work (the torch.compile backend's
 // graph thread runs graphs launched with various torch.set_num_threads): cheap when the thread
 // has that team already, so it is called per graph.
-WorkerThreadBudget adopt_worker_thread_budget(int intra_op);
+WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op);
+
+// Whether this torch has MKL's per-thread team (x86 wheels; aarch64 wheels use OpenBLAS).
+bool can_limit_blas_team();
+
+// MKL's team on the calling thread is `threads` for the guard's life, then what it was (the
+// calibration of terra_torch/_blas_team.py runs each op with one MKL thread this way). A no-op
+// without MKL.
+class BlasTeamGuard {
+ public:
+  explicit BlasTeamGuard(int threads);
+  ~BlasTeamGuard();
+  BlasTeamGuard(const BlasTeamGuard&) = delete;
+  BlasTeamGuard& operator=(const BlasTeamGuard&) = delete;
+
+ private:
+  bool active_;
+  int previous_;
+};
 
 // Gives the calling thread's OpenMP pool back (its team threads exit; the next parallel region
 // on this thread makes a new pool of the same size). A no-op inside a parallel region, where the

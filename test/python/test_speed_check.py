@@ -46,7 +46,7 @@ def test_slower_coexecution_moves_to_eager_after_both_are_measured_in_turns():
 def test_a_burst_of_load_in_one_block_does_not_decide():
     """Co-execution is faster, but one of its blocks is measured while another process runs:
     with the modes measured in turns the median still sees the faster mode."""
-    check = SpeedCheck(first_after=4, window=4, settle=0, interval=50)
+    check = SpeedCheck(first_after=4, window=4, settle=0, settle_s=0.0, interval=50)
     times = iter([1.0, 1.0, 1.0, 1.0,   # skipped (first_after - window // 2 = 2), then block 1
                   1.5, 1.5,             # eager
                   9.0, 9.0,             # co-executed during a burst of load
@@ -235,7 +235,7 @@ def test_a_read_heavy_loop_is_measured_and_the_decision_is_reported(caplog):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         if terra:
             m = terra_torch.wrap(m)
-            m._terra_program._speed = SpeedCheck(True, first_after=12, window=6, settle=2, interval=10)
+            m._terra_program._speed = SpeedCheck(True, first_after=12, window=6, settle=2, settle_s=0.0, interval=10)
         g = torch.Generator().manual_seed(2)
         xs = [torch.randn(4, 8, generator=g) for _ in range(3)]
         log = []

@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+import terra_torch
+
 LIMIT_S = 240
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not torch.backends.openmp.is_available(),
@@ -82,7 +84,8 @@ PROGRAM = """
 @needs_two_cores
 def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     """torch's default team (2 threads on 2 cores): the worker keeps it, MKL's included, so the
-    GEMMs and the full reduction give eager's bits."""
+    GEMMs and the full reduction give eager's bits. The calibration of the worker's MKL team
+    (terra_torch/_blas_team.py) finds the 6-row GEMMs that differ with one thread and names one."""
     out = run_child(PROGRAM + """
     _, _, eager, p_eager = run(2, False, 30)
     net, model, terra, p_terra = run(2, True, 30)
@@ -90,7 +93,7 @@ def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     print(json.dumps({"pre": preconditions, "losses": eager == terra,
                       "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
                       "coexec": s.iterations["coexec"], "intra": s.runner["graph_intra_op_threads"],
-                      "blas": s.runner["graph_blas_threads"]}))
+                      "blas": s.runner["graph_blas_threads"], "team": s.blas_team}))
     """)
     # Otherwise the comparison below could not tell a worker with a smaller team.
     if not torch.backends.mkl.is_available():
@@ -99,6 +102,90 @@ def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     assert out["coexec"] >= 25
     assert out["losses"] and out["params"], out
     assert out["intra"] == 2 and out["blas"] == 2
+    if out["team"] is not None:  # (None: this torch has no MKL to calibrate)
+        assert out["team"]["threads"] == 2 and "other bits with one MKL thread" in out["team"]["why"], out["team"]
+
+
+# An MLP whose GEMMs (batch 32: rows of 32 and 64) MKL computes alike with 1 and 2 threads here.
+MLP = """
+    import json, torch, torch.nn as nn, torch.nn.functional as F
+    import terra_torch
+    torch.set_num_threads(2)
+
+    def run(wrap, steps=60):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        model = terra_torch.wrap(net) if wrap else net
+        gen = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(32, 32, generator=gen), torch.randint(0, 4, (32,), generator=gen)) for _ in range(4)]
+        losses = []
+        for i in range(steps):
+            x, y = batches[i % 4]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            losses.append(loss.detach())
+        if wrap:
+            terra_torch.synchronize()
+        return model, [l.item() for l in losses], [p.detach().clone() for p in net.parameters()]
+
+    def same_with_one_thread(f):
+        torch.set_num_threads(1); one = f()
+        torch.set_num_threads(2); two = f()
+        return torch.equal(one, two)
+
+    torch.manual_seed(3)
+    x, w1, w2, g = torch.randn(32, 32), torch.randn(64, 32), torch.randn(64, 64), torch.randn(32, 64)
+    alike = all(same_with_one_thread(f) for f in (lambda: x @ w1.t(), lambda: g @ w2, lambda: g.t() @ x,
+                                                  lambda: g.t() @ g))
+"""
+
+
+@needs_two_cores
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's team is what the calibration sets")
+def test_the_worker_runs_mkl_on_one_thread_where_every_traced_op_keeps_eagers_bits():
+    """Calibration: every op of the MLP's traces gives the same bits with one MKL thread, so the
+    worker's MKL runs one thread (co-execution then beats eager at torch's default team, where it
+    was 3-5x slower), and 60 co-executed iterations stay bitwise equal to eager."""
+    out = run_child(MLP + """
+    _, eager, p_eager = run(False)
+    model, terra, p_terra = run(True)
+    s = terra_torch.stats(model)
+    print(json.dumps({"alike": alike, "losses": eager == terra,
+                      "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
+                      "coexec": s.iterations["coexec"], "blas": s.runner["graph_blas_threads"],
+                      "team": s.blas_team}))
+    """)
+    assert out["coexec"] >= 55
+    assert out["losses"] and out["params"], out
+    if not out["alike"]:
+        pytest.skip(f"this machine's MKL computes the MLP's GEMMs differently with one thread: {out}")
+    assert out["team"]["threads"] == 1 and out["team"]["why"] == "" and out["team"]["ops"] > 0, out
+    assert out["blas"] == 1
+
+
+def test_an_op_that_differs_with_one_mkl_thread_keeps_torchs_team(monkeypatch):
+    """The calibration's verdict on given results: where one MKL thread gives other bits, the
+    program keeps torch's team and the reason names the op (here the one-thread run is made to
+    differ, as a 6-row GEMM does on this machine)."""
+    from terra_torch import _blas_team
+
+    monkeypatch.setattr(_blas_team, "_verdicts", {})
+    monkeypatch.setattr(_blas_team._C.runtime, "with_blas_team", lambda threads, fn: fn() + 1, raising=True)
+    region = terra_torch._C.Region("record", sys._getframe(0))
+    x, w = torch.randn(6, 8), torch.randn(8, 8)
+    region.open()
+    try:
+        y = torch.mm(x, w).relu()
+    finally:
+        region.close()
+    ops = region.ops()
+    verdict = _blas_team.calibrate(ops, region.externals())
+    assert not verdict.same and verdict.why.startswith("aten::mm (op 0 of the trace)"), verdict
+    monkeypatch.setattr(_blas_team, "_verdicts", {})
+    monkeypatch.setattr(_blas_team._C.runtime, "with_blas_team", lambda threads, fn: fn(), raising=True)
+    assert _blas_team.calibrate(ops, region.externals()).same
+    assert y.shape == (6, 8)
 
 
 @needs_two_cores
