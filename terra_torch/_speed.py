@@ -12,8 +12,9 @@ the defaults:
 
     0-3       tracing
     3-43      co-executed; the last 10 of them are measured (wall time per iteration)
-    43-88     eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch):
-              medians of 20 per mode; co-execution was slower -> stay eager
+    43-88     eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch,
+              and co-execution at least 60 ms: `settle_s`, below): medians of 20 per mode;
+              co-execution was slower -> stay eager
     88-288    eager (200 iterations); then the two are measured in turns again ...
               the interval doubles while the decision stays (200, 400, ... 12800)
 
@@ -21,7 +22,7 @@ Two shortcuts keep the check cheap where one mode is far slower. Co-execution ca
 slower than eager where the graph's kernels want the core Python holds (docs/RUNTIME.md, "The
 worker's intra-op threads"); each such iteration before a verdict costs several eager ones.
 
-- *Probe.* Co-executed iterations 4-12 note how long Python waited for the graph. Where it
+- *Probe.* Co-executed iterations 4-12 (after the first 60 ms) note how long Python waited for the graph. Where it
   waited more than half of their time, the graph is the limit and eager may well be faster: the
   first check starts at once.
 - *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
@@ -30,8 +31,12 @@ worker's intra-op threads"); each such iteration before a verdict costs several 
   earlier in the same check is not decided slower by a later one: load from another process
   makes a block slower, never faster.
 
-With both, the 2-thread MLP of that section runs eagerly from iteration ~28 on, and each later
-check co-executes 8 iterations (`settle` and 3).
+*Settling by time.* After a switch to co-execution (from eager iterations or tracing), the
+OpenMP team threads of Python's eager kernels spin for libgomp's default spin count on the core
+the graph needs: for 35-40 ms on the development VM, co-executed MLP steps took 0.42 ms instead
+of 0.13 (eager: 0.20), and a check measuring them chose eager. So co-executed iterations count
+only from `settle_s` (60 ms) after a switch. Eager iterations need no such wait (at full speed
+from the second after a switch).
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,

@@ -25,8 +25,11 @@ using capture::Mode;
 using capture::Region;
 
 py::tuple meta_tuple(const capture::TensorMeta& m) {
-  // (A torch.dtype: toPyObject gives a ScalarType as the int TorchScript stores it.)
-  py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype)));
+  // (A torch.dtype: toPyObject gives a ScalarType as the int TorchScript stores it. None for an
+  // undefined output, a gradient a backward op did not compute.)
+  py::object dtype = m.dtype == c10::ScalarType::Undefined
+                         ? py::none()
+                         : py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype)));
   return py::make_tuple(dtype, std::vector<int64_t>(m.sizes.begin(), m.sizes.end()),
                         std::vector<int64_t>(m.strides.begin(), m.strides.end()), m.storage_offset,
                         m.device.str(), m.requires_grad);

@@ -11,12 +11,16 @@
 // eagerly (benchmarks/coexec_profile.py --program mlp --threads 2), 0.22-0.30 ms with the
 // worker's MKL team at one thread.
 //
-// The worker still keeps the full team, MKL's included, because the team decides the bits: a full
-// reduction over 3M floats differs between 1 and 2 threads in ATen, and so do MKL's GEMMs with 5-7
-// rows (8x32 and 32x32 weights: 24 of 81 small shapes tried), while co-execution gives eager's
-// numbers. The speed check sends such a program to eager (terra_torch/_speed.py).
-// TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads instead: faster where
-// GEMMs are small, no longer bitwise equal to eager (last-bit differences in GEMMs).
+// The worker still keeps the full ATen team, because the team decides the bits: a full reduction
+// over 3M floats differs between 1 and 2 threads in ATen, while co-execution gives eager's
+// numbers. MKL's team decides the bits of some calls only (GEMMs with 5-7 rows against 8x32 and
+// 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so the program
+// calibrates it: each traced op runs on random inputs with one MKL thread and with the full team,
+// and where all agree bit for bit the worker's MKL runs one thread (terra_torch/_blas_team.py,
+// GraphRunner::limit_blas_team: the `blas_cap` below). Otherwise the speed check sends an
+// overhead-bound program to eager (terra_torch/_speed.py).
+// TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads without calibration:
+// faster where GEMMs are small, no longer bitwise equal to eager where a call differs.
 // test/python/test_worker_threads.py compares a co-executed loop bitwise with eager at the full
 // team, on a program whose GEMMs and reductions both change with the team.
 //
