@@ -13,7 +13,7 @@ the defaults:
     0-3       tracing
     3-43      co-executed; the last 10 of them are measured (wall time per iteration)
     43-88     eager 5 + 10, co-executed 5 + 10, eager 5 + 10 (5 to settle after each switch,
-              and co-execution at least 60 ms: `settle_s`, below): medians of 20 per mode;
+              and at least 50 ms: `settle_s`, below): medians of 20 per mode;
               co-execution was slower -> stay eager
     88-288    eager (200 iterations); then the two are measured in turns again ...
               the interval doubles while the decision stays (200, 400, ... 12800)
@@ -22,7 +22,7 @@ Two shortcuts keep the check cheap where one mode is far slower. Co-execution ca
 slower than eager where the graph's kernels want the core Python holds (docs/RUNTIME.md, "The
 worker's intra-op threads"); each such iteration before a verdict costs several eager ones.
 
-- *Probe.* Co-executed iterations 4-12 (after the first 60 ms) note how long Python waited for the graph. Where it
+- *Probe.* Co-executed iterations 4-12 note how long Python waited for the graph. Where it
   waited more than half of their time, the graph is the limit and eager may well be faster: the
   first check starts at once.
 - *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
@@ -35,8 +35,8 @@ worker's intra-op threads"); each such iteration before a verdict costs several 
 OpenMP team threads of Python's eager kernels spin for libgomp's default spin count on the core
 the graph needs: for 35-40 ms on the development VM, co-executed MLP steps took 0.42 ms instead
 of 0.13 (eager: 0.20), and a check measuring them chose eager. So co-executed iterations count
-only from `settle_s` (60 ms) after a switch. Eager iterations need no such wait (at full speed
-from the second after a switch).
+only from `settle_s` (50 ms) after a switch; so do eager ones (the worker's team threads spin
+after the graph's kernels).
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,
@@ -71,7 +71,6 @@ class _Probe:
     left: int
     seconds: float = 0.0
     waited: float = 0.0
-    skipped_s: float = 0.0
 
 
 class SpeedCheck:
@@ -88,7 +87,7 @@ class SpeedCheck:
     """
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
-                 settle_s: float = 0.06, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
+                 settle_s: float = 0.05, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
                  decisive: float = 1.5, probe: tuple[int, int] = (4, 8)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
@@ -98,12 +97,13 @@ class SpeedCheck:
         self.enabled = enabled
         self.window = window
         self.settle = settle
-        # After a switch to co-execution, also at least this long: the OpenMP team threads of
-        # Python's eager kernels spin for libgomp's default spin count on the core the graph
-        # needs. On the 2-core development VM, 2 threads, an MLP + SGD step co-executed at
-        # 0.42 ms for the first 35-40 ms after each switch from eager (80-95 iterations), at
-        # 0.13 ms after it (eager: 0.20 ms, at full speed from its second iteration after a
-        # switch); measured inside that window, the check chose eager.
+        # After a switch, also at least this long: the OpenMP team threads of the mode just left
+        # (Python's after eager kernels, the worker's after the graph's) spin for libgomp's
+        # default spin count on the core the other mode needs. On the 2-core development VM,
+        # 2 threads, an MLP + SGD step co-executed at 0.42 ms for the first 35-40 ms after each
+        # switch from eager (80-95 iterations), at 0.13 ms after it (eager: 0.20 ms); measured
+        # inside that window, the check chose eager. Eager iterations of `branches` right after
+        # co-executed ones took 0.35-0.6 ms against 0.28, and the check chose co-execution.
         self.settle_s = settle_s
         self._skipped_s = 0.0
         self.first_interval = interval
@@ -161,7 +161,7 @@ class SpeedCheck:
             return self._mode
         if mode != self._measuring:
             return self._mode
-        if self._skip > 0 or (mode == COEXEC and self._skipped_s < self.settle_s):
+        if self._skip > 0 or self._skipped_s < self.settle_s:
             self._skip = max(self._skip - 1, 0)
             self._skipped_s += seconds
             return self._mode
@@ -194,9 +194,8 @@ class SpeedCheck:
     def _note_probe(self, seconds: float, waited: float | None) -> None:
         probe = self._probe
         assert probe is not None
-        if probe.skip > 0 or probe.skipped_s < self.settle_s:
-            probe.skip = max(probe.skip - 1, 0)
-            probe.skipped_s += seconds
+        if probe.skip > 0:
+            probe.skip -= 1
             return
         probe.left -= 1
         probe.seconds += seconds
