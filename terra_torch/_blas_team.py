@@ -66,8 +66,13 @@ class Verdict:
 
 
 # (op name, attributes hash, input layouts) -> Verdict, for the whole process: programs of one
-# process share their calls' verdicts (each call is calibrated once).
+# process share their calls' verdicts (each call is calibrated once). Emptied when it holds
+# _MAX_VERDICTS (a program whose shapes never repeat).
 _verdicts: dict[Any, Verdict] = {}
+_MAX_VERDICTS = 100_000
+# An op whose inputs hold more is not run twice on random copies (time and memory at a graph
+# build): the program keeps torch's team.
+_MAX_INPUT_BYTES = 256 << 20
 
 
 def worth_calibrating() -> bool:
@@ -86,6 +91,8 @@ def calibrate(ops: Sequence[tuple], externals: Sequence[tuple]) -> Verdict:
         key = (name, attributes_hash, repr(attributes), tuple((i[0], i[1]) for i in inputs), layouts)
         verdict = _verdicts.get(key)
         if verdict is None:
+            if len(_verdicts) >= _MAX_VERDICTS:
+                _verdicts.clear()
             verdict = _verdicts[key] = _calibrate_one(name, attributes, attribute_arguments, inputs, layouts)
         if not verdict.same:
             return Verdict(False, f"{name} (op {index} of the trace) {verdict.why}")
@@ -108,6 +115,9 @@ def _calibrate_one(name: str, attributes: Sequence[Any], attribute_arguments: Se
         return Verdict(True)  # MKL's team is a CPU setting
     if namespace not in _RUNNABLE:
         return Verdict(False, "is not an aten op: its kernel may use MKL in ways random inputs cannot show")
+    size = sum(_extent(meta) * meta[0].itemsize for meta in layouts)
+    if size > _MAX_INPUT_BYTES:
+        return Verdict(False, f"has {size >> 20} MB of inputs, too many to run twice on random copies")
     try:
         op = _overload(name)
         call = _call_of(op, attributes, attribute_arguments, inputs, layouts)
@@ -183,9 +193,15 @@ def _call_of(op: Any, attributes: Sequence[Any], attribute_arguments: Sequence[i
     return call
 
 
+def _extent(meta: tuple) -> int:
+    """Elements of the storage a tensor of this layout reaches."""
+    _dtype, sizes, strides, offset, _device, _requires_grad = meta
+    return offset + 1 + sum((s - 1) * st for s, st in zip(sizes, strides)) if all(s > 0 for s in sizes) else offset
+
+
 def _random_like(meta: tuple, gen: torch.Generator) -> torch.Tensor:
-    dtype, sizes, strides, offset, device, _requires_grad = meta
-    extent = offset + 1 + sum((s - 1) * st for s, st in zip(sizes, strides)) if all(s > 0 for s in sizes) else offset
+    dtype, sizes, strides, offset, _device, _requires_grad = meta
+    extent = _extent(meta)
     if dtype.is_floating_point or dtype.is_complex:
         # Uniform in [0, 1): valid for ops that check their range (binary_cross_entropy,
         # bernoulli's p), and random enough that two summation orders round differently.

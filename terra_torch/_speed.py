@@ -35,8 +35,8 @@ worker's intra-op threads"); each such iteration before a verdict costs several 
 OpenMP team threads of Python's eager kernels spin for libgomp's default spin count on the core
 the graph needs: for 35-40 ms on the development VM, co-executed MLP steps took 0.42 ms instead
 of 0.13 (eager: 0.20), and a check measuring them chose eager. So co-executed iterations count
-only from `settle_s` (50 ms) after a switch; so do eager ones (the worker's team threads spin
-after the graph's kernels).
+only from `settle_s` (50 ms, where torch runs more than one intra-op thread) after a switch;
+so do eager ones (the worker's team threads spin after the graph's kernels).
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,
@@ -50,7 +50,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+import torch
+
 COEXEC, EAGER = "coexec", "eager"
+
+# How long a block settles after a switch where OpenMP teams may spin (SpeedCheck.settle_s).
+SETTLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class SpeedCheck:
     """
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
-                 settle_s: float = 0.05, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
+                 settle_s: float | None = None, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
                  decisive: float = 1.5, probe: tuple[int, int] = (4, 8)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
@@ -104,6 +109,8 @@ class SpeedCheck:
         # switch from eager (80-95 iterations), at 0.13 ms after it (eager: 0.20 ms); measured
         # inside that window, the check chose eager. Eager iterations of `branches` right after
         # co-executed ones took 0.35-0.6 ms against 0.28, and the check chose co-execution.
+        # None: SETTLE_S where torch runs more than one intra-op thread, else 0 (one thread has
+        # no team to spin, and a settling eager block only delays the verdict).
         self.settle_s = settle_s
         self._skipped_s = 0.0
         self.first_interval = interval
@@ -144,7 +151,7 @@ class SpeedCheck:
         self._measuring: str | None = mode
         self._block_left = self._half
         self._skip = skip
-        self._skipped_s = 0.0 if skip > 0 else self.settle_s  # (a check in the mode we are in: no switch)
+        self._skipped_s = 0.0 if skip > 0 else float("inf")  # (a check in the mode we are in: no switch)
         self._mode = mode
 
     def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
@@ -161,7 +168,7 @@ class SpeedCheck:
             return self._mode
         if mode != self._measuring:
             return self._mode
-        if self._skip > 0 or self._skipped_s < self.settle_s:
+        if self._skip > 0 or self._skipped_s < self._settle_seconds():
             self._skip = max(self._skip - 1, 0)
             self._skipped_s += seconds
             return self._mode
@@ -190,6 +197,11 @@ class SpeedCheck:
             self._skipped_s = 0.0
             return following
         return self._conclude(iteration, {m: min(statistics.median(b) for b in self._samples[m]) for m in (COEXEC, EAGER)})
+
+    def _settle_seconds(self) -> float:
+        if self.settle_s is not None:
+            return self.settle_s
+        return SETTLE_S if torch.get_num_threads() > 1 else 0.0
 
     def _note_probe(self, seconds: float, waited: float | None) -> None:
         probe = self._probe
