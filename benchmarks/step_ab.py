@@ -16,7 +16,8 @@ directory a previous run filled to time a warm start). Terra variants run with t
 policies, not the check's choice. A program marked TERRA_ITERATION = "step" is wrapped with
 terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
-times `--steps` steps and prints one JSON line.
+times `--steps` steps and prints one JSON line. `--threads N` sets torch's intra-op threads in
+every child (1 by default; torch's own default is one per core).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, os, sys, time
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("TERRA_AB_THREADS", "1")))
 from benchmarks.harness.runtime import Runtime, load_program
 name, runner, warmup, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 mod = load_program(name)
@@ -91,10 +92,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return runner, env
 
 
-def run_child(program: str, variant: str, warmup: int, steps: int) -> dict:
+def run_child(program: str, variant: str, warmup: int, steps: int, threads: int = 1) -> dict:
     runner, settings = parse_variant(variant)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TERRA_SPEED_CHECK="0", **settings)
+               TERRA_SPEED_CHECK="0", TERRA_AB_THREADS=str(threads), **settings)
     done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="rounds (medians)")
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every child")
     args = p.parse_args(argv)
     programs, variants = args.programs.split(","), args.variants.split(",")
     print("uptime before:", os.getloadavg())
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.reps):
         for program in programs:
             for variant in variants:
-                cells[(program, variant)].append(run_child(program, variant, args.warmup, args.steps))
+                cells[(program, variant)].append(run_child(program, variant, args.warmup, args.steps, args.threads))
     print("uptime after: ", os.getloadavg())
     print(f"{'program':12s} {'variant':34s} {'ms/step':>8s} {'x eager':>8s}  (each round)")
     for program in programs:
