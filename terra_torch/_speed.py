@@ -22,9 +22,11 @@ Two shortcuts keep the check cheap where one mode is far slower. Co-execution ca
 slower than eager where the graph's kernels want the core Python holds (docs/RUNTIME.md, "The
 worker's intra-op threads"); each such iteration before a verdict costs several eager ones.
 
-- *Probe.* Co-executed iterations 4-12 note how long Python waited for the graph. Where it
+- *Probe.* Co-executed iterations 4-14 note how long Python waited for the graph. Where it
   waited more than half of their time, the graph is the limit and eager may well be faster: the
-  first check starts at once.
+  first check starts at once, with those iterations as its first co-executed block (at 2
+  threads `dcgan` co-executes 4-5x slower than eager: each iteration before a verdict costs
+  several eager ones).
 - *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
   iterations each take more (or each less) than `decisive` (1.5x) times the first mode's median,
   or whose median does, ends the check at once for the faster mode. A mode with a faster block
@@ -48,7 +50,7 @@ measurement, co-execution stays.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,7 +76,7 @@ class _Probe:
 
     skip: int
     left: int
-    seconds: float = 0.0
+    times: list[float] = field(default_factory=list)
     waited: float = 0.0
 
 
@@ -93,7 +95,7 @@ class SpeedCheck:
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
                  settle_s: float | None = None, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
-                 decisive: float = 1.5, probe: tuple[int, int] = (4, 8)) -> None:
+                 decisive: float = 1.5, probe: tuple[int, int] = (4, 10)) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")
@@ -160,7 +162,10 @@ class SpeedCheck:
         if not self.enabled:
             return mode
         if self._probe is not None and mode == COEXEC:
-            self._note_probe(seconds, waited)
+            block = self._note_probe(seconds, waited)
+            if block is not None:  # the probe's iterations are the check's first co-executed block
+                self._samples[COEXEC].append(block)
+                return self._next_block(iteration)
         if self._measuring is None:
             self._left -= 1
             if self._left <= 0:  # check again, starting with the mode we are in
@@ -191,6 +196,10 @@ class SpeedCheck:
                 return self._conclude(iteration, {mode: statistics.median(block), other: best_other})
         if self._block_left > 0:
             return self._mode
+        return self._next_block(iteration)
+
+    def _next_block(self, iteration: int) -> str:
+        """A block is complete: switch to the next one, or conclude after the last."""
         if self._blocks:
             following = self._blocks.pop(0)
             self._measuring, self._mode, self._block_left, self._skip = following, following, self._half, self.settle
@@ -203,21 +212,27 @@ class SpeedCheck:
             return self.settle_s
         return SETTLE_S if torch.get_num_threads() > 1 else 0.0
 
-    def _note_probe(self, seconds: float, waited: float | None) -> None:
+    def _note_probe(self, seconds: float, waited: float | None) -> list[float] | None:
+        """Notes one probed iteration. Where the probe ends finding Python mostly waiting for the
+        graph before the first check measured anything, the check starts at once: with the
+        probe's iterations as its first co-executed block when there are enough of them (returned),
+        else measuring from the next iteration."""
         probe = self._probe
         assert probe is not None
         if probe.skip > 0:
             probe.skip -= 1
-            return
+            return None
         probe.left -= 1
-        probe.seconds += seconds
+        probe.times.append(seconds)
         probe.waited += waited or 0.0
         if probe.left > 0:
-            return
+            return None
         self._probe = None
         first_pending = not self.verdicts and self._measuring == COEXEC and not self._samples[COEXEC]
-        if first_pending and probe.waited > 0.5 * probe.seconds:
-            self._skip = 0  # Python mostly waited for the graph: measure now
+        if not (first_pending and probe.waited > 0.5 * sum(probe.times)):
+            return None
+        self._skip = 0  # Python mostly waited for the graph: measure now
+        return probe.times[-self._half:] if len(probe.times) >= self._half else None
 
     def _conclude(self, iteration: int, medians: dict[str, float]) -> str:
         coexec_s, eager_s = medians[COEXEC], medians[EAGER]

@@ -121,12 +121,14 @@ def feed_waiting(check: SpeedCheck, times: dict[str, float], n: int, waited: flo
 
 def test_a_program_waiting_for_its_graph_is_checked_at_once():
     # Python waits for the graph most of the time (its kernels fight Python for a core): the
-    # probe (co-executed iterations 4-12) starts the first check at once, and the check ends as
-    # soon as eager's first 3 iterations are each under half the co-executed median.
+    # probe (co-executed iterations 4-14) starts the first check at once, with its iterations as
+    # the check's co-executed block, and the check ends as soon as eager's first 3 iterations
+    # (after 5 to settle) are each under half the co-executed median.
     times = {COEXEC: 3.0, EAGER: 0.4}
-    modes = feed_waiting(SpeedCheck(window=20, settle=5), times, 60, waited=0.8)
-    # (the probe's last iteration is the first of the check's co-executed block)
-    assert modes == "c" * (12 + 10 - 1) + "e" * 39, modes
+    check = SpeedCheck(window=20, settle=5)
+    modes = feed_waiting(check, times, 60, waited=0.8)
+    assert modes == "c" * (4 + 10) + "e" * 46, modes
+    assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration == 14 + 5 + 3 - 1
     # Python waits little: the first check comes after `first_after` co-executed iterations.
     check = SpeedCheck(window=20, settle=5)
     modes = feed_waiting(check, times, 200, waited=0.2)
