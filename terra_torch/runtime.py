@@ -191,11 +191,9 @@ class Program:
         self._differences: list[dict[str, str]] = []
         self._previous_ops: list[Any] = []
         # One MKL thread for the graph worker where every traced op keeps eager's bits with it
-        # (terra_torch/_blas_team.py): "" while all agree, else the first reason.
-        self._blas_why: str | None = "" if _blas_team.worth_calibrating() else None
-        if self._blas_why is not None:
-            self._stats.blas_team = {"threads": torch.get_num_threads(), "why": "no trace calibrated yet",
-                                     "ops": 0, "seconds": 0.0}
+        # (terra_torch/_blas_team.py): "" while all agree, else the first reason. Decided per
+        # trace, while torch runs several intra-op threads (a script may set them after wrap).
+        self._blas_why = ""
         self._eager_left: int | None = None
         self._backoff = EAGER_BACKOFF
         # Co-execution or eager, whichever is faster (terra_torch/_speed.py); TERRA_SPEED_CHECK=0
@@ -357,24 +355,30 @@ class Program:
     def _add(self, region: Any) -> bool:
         """Session.add, and the calibration of the trace's ops for the worker's MKL team."""
         covered = self._session.add(region)
-        if self._blas_why == "" and self._stats.blas_team is not None:
+        if self._blas_why == "" and _blas_team.worth_calibrating():
             t0 = time.perf_counter()
             ops = region.ops()
             verdict = _blas_team.calibrate(ops, region.externals())
             info = self._stats.blas_team
+            if info is None:
+                info = self._stats.blas_team = {"threads": torch.get_num_threads(), "why": "", "ops": 0, "seconds": 0.0}
             info["ops"] += len(ops)
             info["seconds"] += time.perf_counter() - t0
             if not verdict.same:
                 self._blas_why = verdict.why
                 logger.info("%s: the graph worker keeps torch's MKL team of %d threads: %s", self.name,
                             torch.get_num_threads(), verdict.why)
+        elif self._blas_why == "":
+            # (torch ran one intra-op thread, or calibration is off: should the team grow later,
+            # this trace's ops were never compared)
+            self._blas_why = "a trace merged while calibration did not run (one intra-op thread, or switched off)"
         return covered
 
     def _limit_blas_team(self) -> None:
         """After a build: the new worker's MKL team (one thread, where calibration allows)."""
         info = self._stats.blas_team
-        if info is None:
-            return
+        if info is None or not _blas_team.worth_calibrating():
+            return  # (a new runner takes torch's team)
         one = self._blas_why == "" and info["ops"] > 0
         self._session.limit_blas_team(1 if one else 0)
         info["threads"] = 1 if one else torch.get_num_threads()
