@@ -57,6 +57,28 @@ def test_a_burst_of_load_in_one_block_does_not_decide():
     v = check.verdicts[0]
     # Each mode's faster block: co-executed 1.0 (the burst's block is 9.0), eager 1.5.
     assert (v.coexec_s, v.eager_s, v.chosen) == (1.0, 1.5, COEXEC), v
+def test_blocks_settle_for_a_time_after_a_switch_where_teams_can_spin(monkeypatch):
+    """With more than one intra-op thread, a block starts `settle_s` after a switch (and after
+    tracing), however many iterations that takes: OpenMP team threads of the mode just left spin
+    on the core the other mode needs for tens of milliseconds. With one thread, no wait."""
+    times = {COEXEC: 1 / 64, EAGER: 1 / 64}  # (exact in binary: the sums below are exact)
+    check = SpeedCheck(first_after=4, window=4, settle=1, settle_s=4 / 64, interval=50)
+    modes = "".join(m[0] for m in feed(check, times, 28))
+    # co-executed: 4 to settle (first_after - window // 2 = 2 iterations, but 4/64 s) + a block of
+    # 2; eager: 4 to settle (1 iteration, but 4/64 s) + 2; then the same again.
+    assert modes == ("c" * (4 + 2) + "e" * (4 + 2)) * 2 + "c" * 4, modes
+    assert check.verdicts and check.verdicts[0].iteration == 23
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    check = SpeedCheck(first_after=4, window=4, settle=1, interval=50)  # settle_s: by the threads
+    modes = "".join(m[0] for m in feed(check, times, 11))
+    assert modes.startswith("c" * (2 + 2) + "e" * (1 + 2) + "c" * (1 + 2)), modes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    check = SpeedCheck(first_after=4, window=4, settle=1, interval=50)
+    modes = "".join(m[0] for m in feed(check, times, 11))
+    # SETTLE_S (50 ms): 4 iterations of 1/64 s to settle (3 are 47 ms), then a block of 2.
+    assert modes.startswith("c" * (4 + 2) + "e"), modes
+
+
 def test_the_interval_between_checks_doubles_while_the_decision_stays():
     check = SpeedCheck(first_after=4, window=2, settle=1, interval=5, max_interval=20)
     feed(check, {COEXEC: 1.0, EAGER: 1.5}, 300)
