@@ -358,7 +358,10 @@ class Program:
         if self._blas_why == "" and _blas_team.worth_calibrating():
             t0 = time.perf_counter()
             ops = region.ops()
-            verdict = _blas_team.calibrate(ops, region.externals())
+            try:
+                verdict = _blas_team.calibrate(ops, region.externals())
+            except Exception as e:  # (never the program's failure: it keeps torch's team)
+                verdict = _blas_team.Verdict(False, f"the calibration failed ({type(e).__name__}: {e})")
             info = self._stats.blas_team
             if info is None:
                 info = self._stats.blas_team = {"threads": torch.get_num_threads(), "why": "", "ops": 0, "seconds": 0.0}

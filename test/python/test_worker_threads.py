@@ -258,3 +258,22 @@ def test_a_speed_check_lost_to_eager_on_every_core_says_how_to_leave_python_one(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert runtime.every_core_hint() == ""
+
+
+def test_an_op_outside_aten_keeps_torchs_team():
+    """A custom op's kernel may call MKL in ways random inputs do not show: not calibrated, the
+    program keeps torch's team, and the reason says which op."""
+    from terra_torch import _blas_team
+
+    lib = torch.library.Library("terra_blas_test", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    region = terra_torch._C.Region("record", sys._getframe(0))
+    region.open()
+    try:
+        y = torch.ops.terra_blas_test.twice(torch.randn(4, 4))
+    finally:
+        region.close()
+    verdict = _blas_team.calibrate(region.ops(), region.externals())
+    assert not verdict.same and verdict.why.startswith("terra_blas_test::twice") and "not an aten op" in verdict.why
+    assert y.shape == (4, 4)
