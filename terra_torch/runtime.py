@@ -380,12 +380,16 @@ class Program:
     def _limit_blas_team(self) -> None:
         """After a build: the new worker's MKL team (one thread, where calibration allows)."""
         info = self._stats.blas_team
-        if info is None or not _blas_team.worth_calibrating():
-            return  # (a new runner takes torch's team)
-        one = self._blas_why == "" and info["ops"] > 0
-        self._session.limit_blas_team(1 if one else 0)
-        info["threads"] = 1 if one else torch.get_num_threads()
-        info["why"] = "" if one else (self._blas_why or "no trace calibrated (a warm start)")
+        one = False
+        if info is not None and _blas_team.worth_calibrating():
+            one = self._blas_why == "" and info["ops"] > 0
+            self._session.limit_blas_team(1 if one else 0)
+            info["threads"] = 1 if one else torch.get_num_threads()
+            info["why"] = "" if one else (self._blas_why or "no trace calibrated (a warm start)")
+        # The speed check settles for a time after a switch only where co-execution on several
+        # threads can win: with a full MKL team the worker is 3-10x slower there, and each
+        # recheck's settling would co-execute for 50 ms (terra_torch/_speed.py, SETTLE_S).
+        self._speed.settle_s = None if one else 0.0
 
     # ---- warm start (terra_torch/_warm_start.py) -------------------------------------------
 

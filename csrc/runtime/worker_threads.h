@@ -14,9 +14,10 @@
 // The worker still keeps the full ATen team, because the team decides the bits: a full reduction
 // over 3M floats differs between 1 and 2 threads in ATen, while co-execution gives eager's
 // numbers. MKL's team decides the bits of some calls only (GEMMs with 5-7 rows against 8x32 and
-// 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so the program
-// calibrates it: each traced op runs on random inputs with one MKL thread and with the full team,
-// and where all agree bit for bit the worker's MKL runs one thread (terra_torch/_blas_team.py,
+// 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so a program can
+// calibrate it (opt-in, TERRA_BLAS_CALIBRATION=1: a batch of a new size is not guarded yet):
+// each traced op runs on random inputs with one MKL thread and with the full team, and where all
+// agree bit for bit the worker's MKL runs one thread (terra_torch/_blas_team.py,
 // GraphRunner::limit_blas_team: the `blas_cap` below). Otherwise the speed check sends an
 // overhead-bound program to eager (terra_torch/_speed.py).
 // TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads without calibration:
