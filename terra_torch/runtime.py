@@ -84,7 +84,8 @@ class Stats:
     warm_start: dict[str, Any] | None = None
     # The graph worker's MKL team (terra_torch/_blas_team.py): {"threads": MKL threads of the
     # worker (1, or torch's team), "why": why not one ("" when one), "ops": trace ops calibrated,
-    # "seconds": calibration time}; None where torch's team is one thread or there is no MKL.
+    # "seconds": calibration time}; None unless TERRA_BLAS_CALIBRATION=1 (opt-in), torch runs
+    # several intra-op threads and MKL is there.
     blas_team: dict[str, Any] | None = None
 
 
