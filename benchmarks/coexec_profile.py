@@ -27,7 +27,6 @@ from torch import nn
 
 
 OPTIMIZERS = ("sgd", "adam", "adam-fused", "adam-foreach")
-TIME_FIELDS = ("python_exec_s", "python_stall_s", "graph_exec_s", "graph_stall_s", "tracing_s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         s = terra_torch.stats(model)
         print("  iterations", s.iterations, "fallbacks", s.fallbacks,
               {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads")})
+        from benchmarks.harness.terra import TIME_FIELDS
+
         done = max(1, sum(s.iterations.values()))
         print("  ms/iteration over the run (terra_torch.stats):",
               ", ".join(f"{k[:-2]} {getattr(s, k) * 1e3 / done:.3f}" for k in TIME_FIELDS))

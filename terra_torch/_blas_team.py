@@ -31,16 +31,13 @@ distinct calls, a few milliseconds); all agree, and its worker runs MKL on one t
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from terra_torch import _C
-
-logger = logging.getLogger("terra_torch")
+from terra_torch import _C, _fused
 
 # Opt in (TERRA_BLAS_CALIBRATION=1) until a co-executed iteration whose shapes no trace had is
 # guarded: a batch of a new size (an epoch's last one) reaches the worker's GEMMs before any op
@@ -71,7 +68,7 @@ class Verdict:
     why: str = ""
 
 
-# (op name, attributes hash, input layouts) -> Verdict, for the whole process: programs of one
+# (op name, attributes, input positions and layouts) -> Verdict, for the whole process: programs of one
 # process share their calls' verdicts (each call is calibrated once). Emptied when it holds
 # _MAX_VERDICTS (a program whose shapes never repeat).
 _verdicts: dict[Any, Verdict] = {}
@@ -91,10 +88,11 @@ def calibrate(ops: Sequence[tuple], externals: Sequence[tuple]) -> Verdict:
     thread? The first op that differs (or cannot be run) ends the calibration with its reason."""
     metas = [meta for meta, _identity in externals]
     for index, raw in enumerate(ops):
-        name, attributes, attributes_hash, inputs, outputs = raw[:5]
+        name, attributes, _attributes_hash, inputs = raw[:4]
         attribute_arguments = raw[9]
         layouts = tuple(_input_meta(inp, ops, metas) for inp in inputs)
-        key = (name, attributes_hash, repr(attributes), tuple((i[0], i[1]) for i in inputs), layouts)
+        # (The attributes themselves, not Region's hash of them, which leaves out some floats.)
+        key = (name, repr(attributes), tuple((i[0], i[1]) for i in inputs), layouts)
         verdict = _verdicts.get(key)
         if verdict is None:
             if len(_verdicts) >= _MAX_VERDICTS:
@@ -125,7 +123,8 @@ def _calibrate_one(name: str, attributes: Sequence[Any], attribute_arguments: Se
     if size > _MAX_INPUT_BYTES:
         return Verdict(False, f"has {size >> 20} MB of inputs, too many to run twice on random copies")
     try:
-        op = _overload(name)
+        qualified, _, overload = name.partition(".")  # ("aten::add.Tensor": Region.ops()'s name)
+        op = _fused._overload(qualified, overload)
         call = _call_of(op, attributes, attribute_arguments, inputs, layouts)
     except Exception as e:  # (an op this torch cannot name, arguments we cannot rebuild)
         return Verdict(False, f"could not be run on random inputs ({type(e).__name__}: {e})")
@@ -138,13 +137,6 @@ def _calibrate_one(name: str, attributes: Sequence[Any], attribute_arguments: Se
     if not same:
         return Verdict(False, "gives other bits with one MKL thread than with torch's team")
     return Verdict(True)
-
-
-def _overload(name: str) -> Any:
-    qualified, _, overload = name.partition(".")
-    namespace, op_name = qualified.split("::", 1)
-    packet = getattr(getattr(torch.ops, namespace), op_name)
-    return getattr(packet, overload or "default")
 
 
 def _holds_tensor(t: Any) -> bool:
