@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from terra_torch import _blas_team, _C, _fused, _log, _warm_start
+from terra_torch import _C, _fused, _log, _warm_start
 from terra_torch._speed import COEXEC, EAGER, SpeedCheck
 from terra_torch.chrome_trace import GRAPH_RUNNER, PYTHON_RUNNER, Timeline
 from terra_torch.debug import Location
@@ -82,10 +82,12 @@ class Stats:
     # seconds that took with generating their graph; of them "import_s" merging the traces and
     # "build_s" generating the graph), plus "kept" (times this run saved it).
     warm_start: dict[str, Any] | None = None
-    # The graph worker's MKL team (terra_torch/_blas_team.py): {"threads": MKL threads of the
-    # worker (1, or torch's team), "why": why not one ("" when one), "ops": trace ops calibrated,
-    # "seconds": calibration time}; None unless TERRA_BLAS_CALIBRATION=1 (opt-in), torch runs
-    # several intra-op threads and MKL is there.
+    # The graph worker's matrix products (csrc/runtime/blas_guard.h): "one_thread_calls" and
+    # "team_calls" (this program's calls on one MKL thread, on torch's team), and the process's
+    # verdicts on the layouts seen: "same" (calibrated to one thread), "differ" (other bits with
+    # one thread, or an error), "large" (never calibrated), "calibration_s", "why" (the first
+    # layout that kept torch's team, and why). None where the guard is not installed (no MKL
+    # per-thread team, or TERRA_BLAS_GUARD=0).
     blas_team: dict[str, Any] | None = None
 
 
@@ -191,15 +193,16 @@ class Program:
         self._unconverged = 0
         self._differences: list[dict[str, str]] = []
         self._previous_ops: list[Any] = []
-        # One MKL thread for the graph worker where every traced op keeps eager's bits with it
-        # (terra_torch/_blas_team.py): "" while all agree, else the first reason. Decided per
-        # trace, while torch runs several intra-op threads (a script may set them after wrap).
-        self._blas_why = ""
         self._eager_left: int | None = None
         self._backoff = EAGER_BACKOFF
         # Co-execution or eager, whichever is faster (terra_torch/_speed.py); TERRA_SPEED_CHECK=0
         # turns it off everywhere.
         self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
+        # Blocks settle for a time after a switch only where co-execution on several threads can
+        # win: without the worker's one-thread matrix products (csrc/runtime/blas_guard.h) it is
+        # 3-10x slower there, and each recheck's settling would co-execute for 50 ms.
+        if not _C.runtime.blas_guard()["installed"]:
+            self._speed.settle_s = 0.0
         self._speed_eager = False  # phase "eager" because eager was measured faster
         self._worker_pool_held = False  # a co-executed iteration ran since the last release_worker_pool()
         # An iteration's time for the check is begin to begin (so that ending the previous
@@ -298,7 +301,7 @@ class Program:
                 if diverged:
                     fallback = self._record_fallback(region)
                     unsupported = self._session.diverged_at_unsupported()
-                    covered = self._add(region)
+                    covered = self._session.add(region)
                     self._unconverged += 1
                     self._differences.append({"op": fallback.op, "line": fallback.source_line or "<unknown line>",
                                               "how": fallback.reason})
@@ -325,7 +328,7 @@ class Program:
                 if partial:
                     self.iteration += 1
                     return
-                covered = self._add(region)
+                covered = self._session.add(region)
                 self._unconverged += 1
                 if not covered:
                     self._differences.append(self._difference(region, self._session.last_uncovered))
@@ -344,7 +347,6 @@ class Program:
                         self._give_up(str(e))
                     else:
                         self._stats.graph_builds += 1
-                        self._limit_blas_team()
                         if self._kept is not None:
                             self._keep()
                         for _node, why in self._session.unsupported():
@@ -352,45 +354,6 @@ class Program:
                             logger.warning("%s: the graph cannot run an op, its paths run eagerly: %s", self.name, why)
                         self._move("coexec", "the last traced iteration added nothing new")
             self.iteration += 1
-
-    def _add(self, region: Any) -> bool:
-        """Session.add, and the calibration of the trace's ops for the worker's MKL team."""
-        covered = self._session.add(region)
-        if self._blas_why == "" and _blas_team.worth_calibrating():
-            t0 = time.perf_counter()
-            ops = region.ops()
-            try:
-                verdict = _blas_team.calibrate(ops, region.externals())
-            except Exception as e:  # (never the program's failure: it keeps torch's team)
-                verdict = _blas_team.Verdict(False, f"the calibration failed ({type(e).__name__}: {e})")
-            info = self._stats.blas_team
-            if info is None:
-                info = self._stats.blas_team = {"threads": torch.get_num_threads(), "why": "", "ops": 0, "seconds": 0.0}
-            info["ops"] += len(ops)
-            info["seconds"] += time.perf_counter() - t0
-            if not verdict.same:
-                self._blas_why = verdict.why
-                logger.info("%s: the graph worker keeps torch's MKL team of %d threads: %s", self.name,
-                            torch.get_num_threads(), verdict.why)
-        elif self._blas_why == "":
-            # (torch ran one intra-op thread, or calibration is off: should the team grow later,
-            # this trace's ops were never compared)
-            self._blas_why = "a trace merged while calibration did not run (one intra-op thread, or switched off)"
-        return covered
-
-    def _limit_blas_team(self) -> None:
-        """After a build: the new worker's MKL team (one thread, where calibration allows)."""
-        info = self._stats.blas_team
-        one = False
-        if info is not None and _blas_team.worth_calibrating():
-            one = self._blas_why == "" and info["ops"] > 0
-            self._session.limit_blas_team(1 if one else 0)
-            info["threads"] = 1 if one else torch.get_num_threads()
-            info["why"] = "" if one else (self._blas_why or "no trace calibrated (a warm start)")
-        # The speed check settles for a time after a switch only where co-execution on several
-        # threads can win: with a full MKL team the worker is 3-10x slower there, and each
-        # recheck's settling would co-execute for 50 ms (terra_torch/_speed.py, SETTLE_S).
-        self._speed.settle_s = None if one else 0.0
 
     # ---- warm start (terra_torch/_warm_start.py) -------------------------------------------
 
@@ -418,7 +381,6 @@ class Program:
             return
         info.update(loaded=True, traces=self._session.num_traces, load_s=time.perf_counter() - t0)
         self._stats.graph_builds += 1
-        self._limit_blas_team()
         self._move("coexec", f"warm start: {info['traces']} traces kept by an earlier run ({kept.path})")
 
     def _keep(self) -> None:
@@ -571,6 +533,11 @@ class Program:
         s.python_exec_s, s.python_stall_s = exec_ns / 1e9, stall_ns / 1e9
         s.graph_exec_s = max(0, raw.get("graph_exec_ns", 0) - raw.get("graph_stall_ns", 0)) / 1e9
         s.graph_stall_s = raw.get("graph_stall_ns", 0) / 1e9
+        guard = dict(_C.runtime.blas_guard())
+        if guard.pop("installed"):
+            guard["calibration_s"] = guard.pop("calibration_ns") / 1e9
+            s.blas_team = {"one_thread_calls": raw.get("graph_blas_one_thread_calls", 0),
+                           "team_calls": raw.get("graph_blas_team_calls", 0), **guard}
         return s
 
     @property

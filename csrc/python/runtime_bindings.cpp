@@ -26,6 +26,7 @@
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/backward_replay.h"
+#include "runtime/blas_guard.h"
 #include "runtime/channels.h"
 #include "runtime/direct_graph.h"
 #include "runtime/executor.h"
@@ -318,15 +319,20 @@ void init_runtime(py::module_& m) {
         "Whether DDP's reducer hooks on these leaves are idle, so do not stop a backward replay "
         "(runtime/backward_replay.h)");
 
-  r.def("can_limit_blas_team", &runtime::can_limit_blas_team, "Whether this torch has MKL's per-thread team");
   r.def(
-      "with_blas_team",
-      [](int threads, const py::function& fn) {
-        runtime::BlasTeamGuard team(threads);
-        return fn();
+      "blas_guard",
+      [] {
+        const runtime::BlasGuardVerdicts v = runtime::blas_guard_verdicts();
+        py::dict d;
+        d["installed"] = runtime::install_blas_guard();
+        d["same"] = v.same;
+        d["differ"] = v.differ;
+        d["large"] = v.large;
+        d["calibration_ns"] = v.calibration_ns;
+        d["why"] = v.why;
+        return d;
       },
-      py::arg("threads"), py::arg("fn"),
-      "fn() with MKL's team on this thread at `threads` (terra_torch/_blas_team.py's calibration)");
+      "The process's verdicts on the graph worker's matrix-product layouts (runtime/blas_guard.h)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

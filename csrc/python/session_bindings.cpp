@@ -46,6 +46,8 @@ py::dict session_stats(Session& s) {
   d["graph_exec_ns"] = g.exec_ns;
   d["graph_intra_op_threads"] = g.threads.intra_op;
   d["graph_blas_threads"] = g.threads.blas;
+  d["graph_blas_one_thread_calls"] = g.blas.one_thread;
+  d["graph_blas_team_calls"] = g.blas.team;
   d["graph_stall_ns"] = c.graph_stall_ns;
   d["decisions"] = c.decisions;
   d["feeds"] = c.feeds;
@@ -190,13 +192,6 @@ void init_session(py::module_& m) {
             if (s.has_runner()) s.runner().release_worker_pool();
           },
           "the program runs on the Python thread for now: the graph worker gives its OpenMP pool back once idle")
-      .def(
-          "limit_blas_team",
-          [](Session& s, int threads) {
-            if (s.has_runner()) s.runner().limit_blas_team(threads);
-          },
-          py::arg("threads"),
-          "the graph worker's MKL team is at most this many threads (0: torch's setting), from its next iteration on")
       .def(
           "materialize",
           [](Session& s, const at::Tensor& t) {

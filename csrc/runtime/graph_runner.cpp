@@ -65,8 +65,6 @@ struct GraphRunner::State {
   std::deque<StreamMark> marks;             // iterations finished..started-1: Python's stream then
   bool stopping = false;
   bool release_pool = false;  // release_pool() asked; the worker's next idle wait takes it
-  int blas_cap = 0;           // limit_blas_team(); the worker applies it before its next run
-  int blas_cap_applied = 0;
   RunnerStats stats;
   std::deque<std::pair<int64_t, int64_t>> spans;  // for timelines
 
@@ -89,6 +87,7 @@ struct GraphRunner::State {
       // the iteration started (docs/RUNTIME.md, "Streams").
       StreamSync::WorkerScope on_stream(channel->streams());
       channel->streams().worker_waits(mark);
+      BlasGuardScope blas(true);  // small matrix products on one MKL thread where calibrated
       executor->run({});
       channel->flush_published(true);  // the iteration's last values (ValueTable::publish)
       return nullptr;
@@ -167,10 +166,6 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
     const int64_t it = s->finished;
     StreamMark mark = std::move(s->marks.front());
     s->marks.pop_front();
-    if (s->blas_cap != s->blas_cap_applied) {  // (MKL's team is per thread: set here, not by the caller)
-      s->blas_cap_applied = s->blas_cap;
-      s->stats.threads = adopt_worker_thread_budget(s->blas_cap);
-    }
     lock.unlock();
     const auto t0 = Clock::now();
     std::exception_ptr error = s->run_once(it, mark);
@@ -178,6 +173,7 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
     const int64_t dt = ns_since(t0);
     lock.lock();
     s->stats.exec_ns += dt;
+    s->stats.blas = blas_guard_calls_on_this_thread();  // (this thread's, since it started)
     const int64_t start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
     s->spans.emplace_back(start, start + dt);
     if (s->spans.size() > kMaxSpans) s->spans.pop_front();
@@ -307,11 +303,6 @@ void GraphRunner::release_pool() {
     state_->release_pool = true;
   }
   state_->work_cv.notify_all();
-}
-
-void GraphRunner::limit_blas_team(int threads) {
-  std::lock_guard lock(state_->mu);
-  state_->blas_cap = std::max(threads, 0);
 }
 
 RunnerStats GraphRunner::stats() const {

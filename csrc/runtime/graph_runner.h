@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 
+#include "runtime/blas_guard.h"
 #include "runtime/channels.h"
 #include "runtime/executor.h"
 #include "runtime/worker_threads.h"
@@ -36,6 +37,7 @@ struct RunnerStats {
   int64_t exec_ns = 0;            // wall time inside Executor::run (includes graph stalls)
   int64_t python_wait_ns = 0;     // Python blocked in wait_iteration / synchronize
   WorkerThreadBudget threads;     // the worker's intra-op and MKL teams (runtime/worker_threads.h)
+  BlasGuardCalls blas;            // its matrix products on one MKL thread or torch's team (blas_guard.h)
 };
 
 class GraphRunner {
@@ -77,10 +79,6 @@ class GraphRunner {
   // The program runs on the Python thread for now (eager or tracing): once the worker has no
   // iteration to run, it gives its OpenMP pool back (runtime/worker_threads.h). Never blocks.
   void release_pool();
-  // The worker's MKL team is at most `threads` from its next iteration on (0: torch's setting;
-  // runtime/worker_threads.h says why fewer, terra_torch/_blas_team.py when that keeps eager's
-  // bits). Never blocks.
-  void limit_blas_team(int threads);
   // How many iterations are started and not finished.
   int64_t in_flight() const;
   RunnerStats stats() const;

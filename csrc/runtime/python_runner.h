@@ -125,7 +125,6 @@ class PythonRunner final : public capture::CoExecHook {
   RunnerStats graph_stats() const { return runner_->stats(); }
   // The program runs on the Python thread for now (GraphRunner::release_pool).
   void release_worker_pool() { runner_->release_pool(); }
-  void limit_blas_team(int threads) { runner_->limit_blas_team(threads); }  // (GraphRunner's)
   std::vector<std::pair<int64_t, int64_t>> graph_spans() const { return runner_->spans(); }
   ChannelStats channel_stats() const { return channel_->stats(); }
   size_t table_size() const { return values_->size(); }

@@ -34,28 +34,27 @@ int blas_override() {
 }
 
 // MKL's team on this thread for an intra-op team of `intra_op`: the same, unless
-// TERRA_WORKER_BLAS_THREADS or the caller's `cap` (0: none) asks for fewer (see the header).
-int cap_blas(int intra_op, int cap) {
+// TERRA_WORKER_BLAS_THREADS asks for fewer (see the header).
+int cap_blas(int intra_op) {
   int blas = intra_op;
   if (blas_override() > 0) blas = std::min(blas, blas_override());
-  if (cap > 0) blas = std::min(blas, cap);
   if (MKL_Set_Num_Threads_Local == nullptr) return intra_op;
-  // (0 restores "the process's setting" on this thread: a cap lifted again leaves no trace.)
+  // (0: "the process's setting" on this thread.)
   MKL_Set_Num_Threads_Local(blas == intra_op ? 0 : blas);
   return blas;
 }
 
 }  // namespace
 
-WorkerThreadBudget adopt_worker_thread_budget(int blas_cap) {
+WorkerThreadBudget adopt_worker_thread_budget() {
   at::init_num_threads();  // the process's intra-op setting, on this thread's OpenMP and MKL teams
   const int intra_op = at::get_num_threads();
-  return {intra_op, cap_blas(intra_op, blas_cap)};
+  return {intra_op, cap_blas(intra_op)};
 }
 
 WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op) {
   if (at::get_num_threads() != intra_op) at::set_num_threads(intra_op);
-  return {intra_op, cap_blas(intra_op, 0)};
+  return {intra_op, cap_blas(intra_op)};
 }
 
 bool can_limit_blas_team() { return MKL_Set_Num_Threads_Local != nullptr; }

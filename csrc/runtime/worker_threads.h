@@ -14,12 +14,10 @@
 // The worker still keeps the full ATen team, because the team decides the bits: a full reduction
 // over 3M floats differs between 1 and 2 threads in ATen, while co-execution gives eager's
 // numbers. MKL's team decides the bits of some calls only (GEMMs with 5-7 rows against 8x32 and
-// 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so a program can
-// calibrate it (opt-in, TERRA_BLAS_CALIBRATION=1: a batch of a new size is not guarded yet):
-// each traced op runs on random inputs with one MKL thread and with the full team, and where all
-// agree bit for bit the worker's MKL runs one thread (terra_torch/_blas_team.py,
-// GraphRunner::limit_blas_team: the `blas_cap` below). Otherwise the speed check sends an
-// overhead-bound program to eager (terra_torch/_speed.py).
+// 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so the worker's MKL
+// also keeps torch's team, and its small matrix products take one MKL thread call by call where
+// a calibration of their layout found the same bits (runtime/blas_guard.h). Where none does, the
+// speed check sends an overhead-bound program to eager (terra_torch/_speed.py).
 // TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads without calibration:
 // faster where GEMMs are small, no longer bitwise equal to eager where a call differs.
 // test/python/test_worker_threads.py compares a co-executed loop bitwise with eager at the full
@@ -57,13 +55,10 @@ struct WorkerThreadBudget {
   int blas = 0;
 };
 
-// Called on a worker thread before it runs kernels, and again after anything set the thread's
-// team (at::set_num_threads resets MKL's): a new thread's OpenMP team is the library default
-// (all cores), not what the user set with torch.set_num_threads, so the process setting is taken
-// first, then MKL's team is set as above, at most `blas_cap` threads where that is > 0 (the
-// program's calibration found every traced op giving eager's bits with that team:
-// terra_torch/_blas_team.py).
-WorkerThreadBudget adopt_worker_thread_budget(int blas_cap = 0);
+// Called on a worker thread before it runs kernels: a new thread's OpenMP team is the library
+// default (all cores), not what the user set with torch.set_num_threads, so the process setting
+// is taken first, then MKL's team is set as above.
+WorkerThreadBudget adopt_worker_thread_budget();
 // The same with the team of the thread that launched the work (the torch.compile backend's
 // graph thread runs graphs launched with various torch.set_num_threads): cheap when the thread
 // has that team already, so it is called per graph.
@@ -72,8 +67,8 @@ WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op);
 // Whether this torch has MKL's per-thread team (x86 wheels; aarch64 wheels use OpenBLAS).
 bool can_limit_blas_team();
 
-// MKL's team on the calling thread is `threads` for the guard's life, then what it was (the
-// calibration of terra_torch/_blas_team.py runs each op with one MKL thread this way). A no-op
+// MKL's team on the calling thread is `threads` for the guard's life (0: the process's setting),
+// then what it was (runtime/blas_guard.h runs calibrated calls with one thread this way). A no-op
 // without MKL.
 class BlasTeamGuard {
  public:
