@@ -86,7 +86,7 @@ class Stats:
     # "team_calls" (this program's calls on one MKL thread, on torch's team), and the process's
     # verdicts on the layouts seen: "same" (calibrated to one thread), "differ" (other bits with
     # one thread, or an error), "large" (never calibrated), "calibration_s", "why" (the first
-    # layout that kept torch's team, and why). None where the guard is not installed (no MKL
+    # layout that differed, and how). None where the guard is not installed (no MKL
     # per-thread team, or TERRA_BLAS_GUARD=0).
     blas_team: dict[str, Any] | None = None
 

@@ -159,7 +159,7 @@ void store(const Layout& layout, Verdict verdict, const std::string& why, int64_
     case Verdict::kLarge: ++v.counts.large; break;
     case Verdict::kUnknown: break;
   }
-  if (verdict != Verdict::kSame && v.counts.why.empty()) v.counts.why = why;
+  if (verdict == Verdict::kDiffer && v.counts.why.empty()) v.counts.why = why;
 }
 
 // ---- calibration -----------------------------------------------------------------------------
@@ -260,18 +260,18 @@ void guard_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
   }
   Verdict verdict = lookup(layout);
   if (verdict == Verdict::kUnknown) {
+    const Layout key = layout;  // (a calibration's nested products reuse `layout`)
     const int64_t macs = a.numel() * (b.dim() >= 2 ? b.size(-1) : 1);
     std::string why;
     const auto t0 = std::chrono::steady_clock::now();
     if (macs > kMaxOneThreadMacs) {
       verdict = Verdict::kLarge;
-      why = "more multiply-adds than one thread is worth";
     } else {
       verdict = calibrate(op, below, *stack, first, &why) ? Verdict::kSame : Verdict::kDiffer;
     }
     const int64_t ns =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    store(layout, verdict, verdict == Verdict::kSame ? "" : describe(op, *stack, first, f) + ": " + why, ns);
+    store(key, verdict, verdict == Verdict::kDiffer ? describe(op, *stack, first, f) + ": " + why : "", ns);
   }
   if (verdict == Verdict::kSame) {
     ++t_calls.one_thread;

@@ -92,7 +92,7 @@ struct BlasGuardVerdicts {
   int64_t differ = 0;   // layouts that keep torch's team: other bits or an error on random inputs
   int64_t large = 0;    // layouts over kMaxOneThreadMacs, never calibrated
   int64_t calibration_ns = 0;
-  std::string why;      // the first layout that kept torch's team, and why
+  std::string why;      // the first layout that differed, and how
 };
 BlasGuardVerdicts blas_guard_verdicts();
 
