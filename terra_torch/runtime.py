@@ -82,13 +82,13 @@ class Stats:
     # seconds that took with generating their graph; of them "import_s" merging the traces and
     # "build_s" generating the graph), plus "kept" (times this run saved it).
     warm_start: dict[str, Any] | None = None
-    # The graph worker's matrix products (csrc/runtime/blas_guard.h): "one_thread_calls" and
-    # "team_calls" (this program's calls on one MKL thread, on torch's team), and the process's
-    # verdicts on the layouts seen: "same" (calibrated to one thread), "differ" (other bits with
-    # one thread, or an error), "large" (never calibrated), "calibration_s", "why" (the first
-    # layout that differed, and how). None where the guard is not installed (no MKL
-    # per-thread team, or TERRA_BLAS_GUARD=0).
-    blas_team: dict[str, Any] | None = None
+    # The graph worker's guarded calls (csrc/runtime/team_guard.h: matrix products, norms,
+    # softmaxes, VML functions): "one_thread_calls" and "team_calls" (this program's calls on one
+    # thread, on torch's teams), and the process's verdicts on the layouts seen: "same"
+    # (calibrated to one thread), "differ" (other bits with one thread, or an error), "large"
+    # (never calibrated), "calibration_s", "why" (the first layout that differed, and how). None
+    # where the guard is not installed (no MKL per-thread team, or TERRA_TEAM_GUARD=0).
+    worker_team: dict[str, Any] | None = None
 
 
 _active: Program | None = None  # the program whose iteration is open (one region at a time)
@@ -199,9 +199,9 @@ class Program:
         # turns it off everywhere.
         self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
         # Blocks settle for a time after a switch only where co-execution on several threads can
-        # win: without the worker's one-thread matrix products (csrc/runtime/blas_guard.h) it is
+        # win: without the worker's one-thread small calls (csrc/runtime/team_guard.h) it is
         # 3-10x slower there, and each recheck's settling would co-execute for 50 ms.
-        if not _C.runtime.blas_guard()["installed"]:
+        if not _C.runtime.team_guard()["installed"]:
             self._speed.settle_s = 0.0
         self._speed_eager = False  # phase "eager" because eager was measured faster
         self._worker_pool_held = False  # a co-executed iteration ran since the last release_worker_pool()
@@ -533,11 +533,11 @@ class Program:
         s.python_exec_s, s.python_stall_s = exec_ns / 1e9, stall_ns / 1e9
         s.graph_exec_s = max(0, raw.get("graph_exec_ns", 0) - raw.get("graph_stall_ns", 0)) / 1e9
         s.graph_stall_s = raw.get("graph_stall_ns", 0) / 1e9
-        guard = dict(_C.runtime.blas_guard())
+        guard = dict(_C.runtime.team_guard())
         if guard.pop("installed"):
             guard["calibration_s"] = guard.pop("calibration_ns") / 1e9
-            s.blas_team = {"one_thread_calls": raw.get("graph_blas_one_thread_calls", 0),
-                           "team_calls": raw.get("graph_blas_team_calls", 0), **guard}
+            s.worker_team = {"one_thread_calls": raw.get("graph_one_thread_calls", 0),
+                           "team_calls": raw.get("graph_team_calls", 0), **guard}
         return s
 
     @property

@@ -26,7 +26,7 @@
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/backward_replay.h"
-#include "runtime/blas_guard.h"
+#include "runtime/team_guard.h"
 #include "runtime/channels.h"
 #include "runtime/direct_graph.h"
 #include "runtime/executor.h"
@@ -320,11 +320,11 @@ void init_runtime(py::module_& m) {
         "(runtime/backward_replay.h)");
 
   r.def(
-      "blas_guard",
+      "team_guard",
       [] {
-        const runtime::BlasGuardVerdicts v = runtime::blas_guard_verdicts();
+        const runtime::TeamGuardVerdicts v = runtime::team_guard_verdicts();
         py::dict d;
-        d["installed"] = runtime::install_blas_guard();
+        d["installed"] = runtime::install_team_guard();
         d["same"] = v.same;
         d["differ"] = v.differ;
         d["large"] = v.large;
@@ -332,7 +332,7 @@ void init_runtime(py::module_& m) {
         d["why"] = v.why;
         return d;
       },
-      "The process's verdicts on the graph worker's matrix-product layouts (runtime/blas_guard.h)");
+      "The process's verdicts on the graph worker's matrix-product layouts (runtime/team_guard.h)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

@@ -46,8 +46,8 @@ py::dict session_stats(Session& s) {
   d["graph_exec_ns"] = g.exec_ns;
   d["graph_intra_op_threads"] = g.threads.intra_op;
   d["graph_blas_threads"] = g.threads.blas;
-  d["graph_blas_one_thread_calls"] = g.blas.one_thread;
-  d["graph_blas_team_calls"] = g.blas.team;
+  d["graph_one_thread_calls"] = g.guarded.one_thread;
+  d["graph_team_calls"] = g.guarded.team;
   d["graph_stall_ns"] = c.graph_stall_ns;
   d["decisions"] = c.decisions;
   d["feeds"] = c.feeds;

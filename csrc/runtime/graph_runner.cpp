@@ -87,7 +87,7 @@ struct GraphRunner::State {
       // the iteration started (docs/RUNTIME.md, "Streams").
       StreamSync::WorkerScope on_stream(channel->streams());
       channel->streams().worker_waits(mark);
-      BlasGuardScope blas(true);  // small matrix products on one MKL thread where calibrated
+      TeamGuardScope team_guard(true);  // small calls on one thread where calibrated (team_guard.h)
       executor->run({});
       channel->flush_published(true);  // the iteration's last values (ValueTable::publish)
       return nullptr;
@@ -173,7 +173,7 @@ void GraphRunner::worker_main(std::shared_ptr<State> s) {
     const int64_t dt = ns_since(t0);
     lock.lock();
     s->stats.exec_ns += dt;
-    s->stats.blas = blas_guard_calls_on_this_thread();  // (this thread's, since it started)
+    s->stats.guarded = team_guard_calls_on_this_thread();  // (this thread's, since it started)
     const int64_t start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
     s->spans.emplace_back(start, start + dt);
     if (s->spans.size() > kMaxSpans) s->spans.pop_front();

@@ -23,7 +23,7 @@
 #include <string>
 #include <thread>
 
-#include "runtime/blas_guard.h"
+#include "runtime/team_guard.h"
 #include "runtime/channels.h"
 #include "runtime/executor.h"
 #include "runtime/worker_threads.h"
@@ -37,7 +37,7 @@ struct RunnerStats {
   int64_t exec_ns = 0;            // wall time inside Executor::run (includes graph stalls)
   int64_t python_wait_ns = 0;     // Python blocked in wait_iteration / synchronize
   WorkerThreadBudget threads;     // the worker's intra-op and MKL teams (runtime/worker_threads.h)
-  BlasGuardCalls blas;            // its matrix products on one MKL thread or torch's team (blas_guard.h)
+  TeamGuardCalls guarded;         // its guarded calls on one thread or torch's teams (team_guard.h)
 };
 
 class GraphRunner {

@@ -16,6 +16,7 @@ extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 // pool. Weak, like the above: another OpenMP runtime, or none, leaves it null.
 extern "C" int omp_pause_resource_all(int kind) __attribute__((weak));
 extern "C" void omp_set_num_threads(int n) __attribute__((weak));
+extern "C" int omp_get_max_threads() __attribute__((weak));
 
 namespace terra::runtime {
 
@@ -65,6 +66,16 @@ BlasTeamGuard::BlasTeamGuard(int threads)
 
 BlasTeamGuard::~BlasTeamGuard() {
   if (active_) MKL_Set_Num_Threads_Local(previous_);
+}
+
+OmpTeamGuard::OmpTeamGuard(int threads)
+    : active_(omp_set_num_threads != nullptr && omp_get_max_threads != nullptr),
+      previous_(active_ ? omp_get_max_threads() : 0) {
+  if (active_ && threads != previous_) omp_set_num_threads(threads);
+}
+
+OmpTeamGuard::~OmpTeamGuard() {
+  if (active_ && omp_get_max_threads() != previous_) omp_set_num_threads(previous_);
 }
 
 void release_openmp_pool() {

@@ -15,8 +15,9 @@
 // over 3M floats differs between 1 and 2 threads in ATen, while co-execution gives eager's
 // numbers. MKL's team decides the bits of some calls only (GEMMs with 5-7 rows against 8x32 and
 // 32x32 weights: 24 of 81 small shapes tried; torch.dot over 65536 floats), so the worker's MKL
-// also keeps torch's team, and its small matrix products take one MKL thread call by call where
-// a calibration of their layout found the same bits (runtime/blas_guard.h). Where none does, the
+// also keeps torch's team, and its small matrix products (and norms, softmaxes, VML calls: ATen's
+// parallel regions below a size where one thread is enough) take one thread call by call where a
+// calibration of their layout found the same bits (runtime/team_guard.h). Where none does, the
 // speed check sends an overhead-bound program to eager (terra_torch/_speed.py).
 // TERRA_WORKER_BLAS_THREADS=<n> runs the worker's MKL with at most n threads without calibration:
 // faster where GEMMs are small, no longer bitwise equal to eager where a call differs.
@@ -68,7 +69,7 @@ WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op);
 bool can_limit_blas_team();
 
 // MKL's team on the calling thread is `threads` for the guard's life (0: the process's setting),
-// then what it was (runtime/blas_guard.h runs calibrated calls with one thread this way). A no-op
+// then what it was (runtime/team_guard.h runs calibrated calls with one thread this way). A no-op
 // without MKL.
 class BlasTeamGuard {
  public:
@@ -76,6 +77,21 @@ class BlasTeamGuard {
   ~BlasTeamGuard();
   BlasTeamGuard(const BlasTeamGuard&) = delete;
   BlasTeamGuard& operator=(const BlasTeamGuard&) = delete;
+
+ private:
+  bool active_;
+  int previous_;
+};
+
+// OpenMP's team for the calling thread's next parallel regions (the thread's own setting, which
+// ATen's at::parallel_for and oneDNN read) is `threads` for the guard's life, then what it was.
+// A no-op without an OpenMP runtime that exports omp_set_num_threads.
+class OmpTeamGuard {
+ public:
+  explicit OmpTeamGuard(int threads);
+  ~OmpTeamGuard();
+  OmpTeamGuard(const OmpTeamGuard&) = delete;
+  OmpTeamGuard& operator=(const OmpTeamGuard&) = delete;
 
  private:
   bool active_;

@@ -86,7 +86,7 @@ PROGRAM = """
 def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     """torch's default team (2 threads on 2 cores): the worker keeps it, MKL's included, so the
     GEMMs and the full reduction give eager's bits. The guard of the worker's matrix products
-    (csrc/runtime/blas_guard.h) finds that some 6-row GEMMs differ with one MKL thread, keeps
+    (csrc/runtime/team_guard.h) finds that some 6-row GEMMs differ with one MKL thread, keeps
     torch's team for them, and leaves the 4096-row ones uncalibrated (too large)."""
     out = run_child(PROGRAM + """
     _, _, eager, p_eager = run(2, False, 30)
@@ -95,7 +95,7 @@ def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     print(json.dumps({"pre": preconditions, "losses": eager == terra,
                       "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
                       "coexec": s.iterations["coexec"], "intra": s.runner["graph_intra_op_threads"],
-                      "blas": s.runner["graph_blas_threads"], "team": s.blas_team}))
+                      "blas": s.runner["graph_blas_threads"], "team": s.worker_team}))
     """)
     # Otherwise the comparison below could not tell a worker with a smaller team.
     if not torch.backends.mkl.is_available():
@@ -107,7 +107,7 @@ def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     if out["team"] is not None:  # (None: this torch has no MKL per-thread team)
         team = out["team"]
         assert team["differ"] >= 1 and team["large"] >= 1 and team["team_calls"] >= 30 * 2, team
-        assert "other bits with one MKL thread" in team["why"] and "[6, " in team["why"], team
+        assert "other bits with one thread" in team["why"] and "[6, " in team["why"], team
 
 
 # An MLP whose GEMMs (batch 32: rows of 32 and 64) MKL computes alike with 1 and 2 threads here.
@@ -158,7 +158,7 @@ def test_the_worker_runs_matrix_products_on_one_mkl_thread_where_their_layout_ke
     print(json.dumps({"alike": alike, "losses": eager == terra,
                       "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
                       "coexec": s.iterations["coexec"], "blas": s.runner["graph_blas_threads"],
-                      "team": s.blas_team}))
+                      "team": s.worker_team}))
     """)
     assert out["coexec"] >= 55
     assert out["losses"] and out["params"], out
@@ -201,7 +201,7 @@ def test_a_batch_of_a_new_size_keeps_eagers_bits():
             losses.append(loss.item())
         if wrap:
             terra_torch.synchronize()
-        return losses, w.detach().clone(), terra_torch.stats(model).blas_team if wrap else None
+        return losses, w.detach().clone(), terra_torch.stats(model).worker_team if wrap else None
 
     torch.manual_seed(3)
     a, b = torch.randn(6, 32), torch.randn(32, 16)
@@ -215,7 +215,7 @@ def test_a_batch_of_a_new_size_keeps_eagers_bits():
     team = out["team"]
     assert team["one_thread_calls"] > 0, team  # (the 32-row GEMMs)
     if out["differs"]:  # the 6-row forward GEMM kept torch's team, and the reason says which
-        assert team["differ"] >= 1 and team["team_calls"] >= 1 and "[6, 32] x [32, 16]" in team["why"], team
+        assert team["differ"] >= 1 and team["team_calls"] >= 1 and "[6, 32] [32, 16]" in team["why"], team
 
 
 @needs_two_cores
@@ -332,9 +332,65 @@ def test_matrix_products_nested_in_another_ops_kernel_are_guarded_too():
 
     (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
     print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
-                      "coexec": s.iterations["coexec"], "team": s.blas_team}))
+                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
     """)
     assert out["losses"] and out["params"], out
     assert out["coexec"] >= 20, out
     team = out["team"]
     assert team["one_thread_calls"] + team["team_calls"] >= 20 * 3 and team["same"] + team["differ"] >= 4, team
+
+
+@needs_two_cores
+def test_norms_softmax_and_vml_calls_run_on_one_thread_with_eagers_bits():
+    """ATen's own parallel regions: layer norm and batch norm (per row or channel), log-softmax
+    and its backward, nll_loss, Adam's `sqrt` of a 4096-element state (VML above 2048 elements).
+    Their layouts are calibrated to one thread, and 40 co-executed iterations at 2 threads stay
+    bitwise equal to eager; a full reduction over 2**18 floats (not a guarded op) keeps the team."""
+    out = run_child("""
+    import json, torch, torch.nn as nn, torch.nn.functional as F
+    import terra_torch
+    torch.set_num_threads(2)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.ln = nn.LayerNorm(64)
+            self.bn = nn.BatchNorm1d(64)
+            self.b = nn.Linear(64, 10)
+
+        def forward(self, x, y, big):
+            h = self.bn(torch.tanh(self.ln(self.a(x))))
+            return F.cross_entropy(self.b(h), y) + big.sum() * 1e-6
+
+    def run(wrap):
+        torch.manual_seed(0)
+        m = M()
+        model = terra_torch.wrap(m) if wrap else m
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randn(48, 64, generator=gen), torch.randint(0, 10, (48,), generator=gen),
+                 torch.randn(2 ** 18, generator=gen)) for _ in range(4)]
+        losses = []
+        for i in range(40):
+            loss = model(*data[i % 4])
+            opt.zero_grad(); loss.backward(); opt.step()
+            losses.append(loss.detach())
+        if wrap:
+            terra_torch.synchronize()
+        return [l.item() for l in losses], [p.detach().clone() for p in m.parameters()] + \\
+            [m.bn.running_mean.clone(), m.bn.running_var.clone()], terra_torch.stats(model) if wrap else None
+
+    (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
+    print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
+                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
+    """)
+    assert out["losses"] and out["params"], out
+    assert out["coexec"] >= 30, out
+    team = out["team"]
+    if team is None:
+        pytest.skip("the guard is not installed here (no MKL per-thread team)")
+    # (Per iteration at least: 3 GEMMs forward, 4 backward, layer norm, batch norm, their
+    # backwards, log-softmax, nll_loss and their backwards, and the 4096-element sqrt.)
+    assert team["one_thread_calls"] >= 30 * 12, team
+    assert team["same"] >= 12, team
