@@ -23,6 +23,7 @@
 #include "emit/segments.h"
 #include "runtime/fused_executor.h"
 #include "runtime/gil_release.h"
+#include "runtime/team_guard.h"
 #include "runtime/worker_threads.h"
 
 namespace terra::runtime {
@@ -221,6 +222,7 @@ class DirectWorker {
       // MKL's team as the co-execution worker's (runtime/worker_threads.h).
       adopt_worker_thread_budget_of(job.threads);
       try {
+        TeamGuardScope team_guard(true);  // small calls on one thread where calibrated (team_guard.h)
         job.graph->run_stack(std::move(job.stack));
       } catch (...) {
         error = std::current_exception();

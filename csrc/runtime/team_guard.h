@@ -36,6 +36,9 @@
 // depends on sizes, strides, alignment, other arguments and the thread count, which the layout
 // holds, not on values.
 //
+// Where: the co-execution worker (GraphRunner) and the Dynamo backend's overlap worker
+// (direct_graph.cpp), the threads that run kernels while Python runs on.
+//
 // Why a dispatch key: the worker runs graphs through the TorchScript interpreter or fused
 // segments, and a listed op may also be nested in another op's kernel (addbmm's loop of addmm_,
 // a foreach op's per-tensor calls); the dispatcher sees them all. Why FPGA: a functionality key
