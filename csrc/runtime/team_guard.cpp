@@ -27,6 +27,10 @@ namespace {
 
 constexpr c10::DispatchKey kGuardKey = c10::DispatchKey::FPGA;  // (team_guard.h says why this one)
 
+// torch's OpenMP team on this thread when its TeamGuardScope began (a calibration's run with
+// torch's teams sets it explicitly: a call nested in a one-thread call sees a team of one).
+thread_local int t_torchs_team = 1;
+
 // The guarded ops (each overload of these names: in-place, out=, out_dtype) and how their work
 // is counted. Matrix products (their CPU kernels call MKL's BLAS, which opens a parallel region
 // for every call): multiply-adds, the first factor's elements times the second's last size (mm:
@@ -72,7 +76,7 @@ bool mkl_dtype(c10::ScalarType t) {
 
 // ---- layouts ---------------------------------------------------------------------------------
 
-// A call's layout as integers: the op, then per argument a tag and its values. Tensors give
+// A call's layout as integers: the op and torch's team, then per argument a tag and its values. Tensors give
 // dtype, sizes, strides and their data pointer's offset within 64 bytes (the CPU allocator's
 // alignment; a kernel's vector path may depend on alignment, never on where the storage starts).
 // Also the call's work (Call::work) and whether every tensor is a CPU one of a floating dtype.
@@ -169,6 +173,7 @@ int64_t layout_of(const c10::OperatorHandle& op, Guarded g, const torch::jit::St
                   Layout* out) {
   out->clear();
   out->push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
+  out->push_back(t_torchs_team);  // (a verdict compares one thread with this team, no other)
   LayoutWriter writer(out);
   for (size_t i = first; i < stack.size(); ++i)
     if (!writer.value(stack[i])) return -1;
@@ -263,10 +268,6 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor cb = b.contiguous();
   return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
-
-// torch's OpenMP team on this thread when its TeamGuardScope began (a calibration's run with
-// torch's teams sets it explicitly: a call nested in a one-thread call sees a team of one).
-thread_local int t_torchs_team = 1;
 
 // Both teams of the calling thread for the guard's life: torch's, or one thread.
 class Teams {

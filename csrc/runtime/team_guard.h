@@ -15,8 +15,8 @@
 // the matrix products, VML's elementwise functions, the norms and softmaxes, the fused
 // optimizers; each with its in-place and out= forms) passes through a kernel on a dispatch key
 // of our own, included in the worker thread's TLS while a graph runs. That kernel looks the call
-// up by its *layout*: the op, each tensor's dtype, sizes, strides and data-pointer alignment,
-// each other argument's value. A layout seen for the first time is calibrated there and then:
+// up by its *layout*: the op, torch's team size, each tensor's dtype, sizes, strides and
+// data-pointer alignment, each other argument's value. A layout seen for the first time is calibrated there and then:
 // the call runs on random inputs of that layout with torch's teams and again with one thread
 // (OpenMP's and MKL's), and the results are compared bit for bit. Same bits: this and every
 // later call of that layout runs on one thread. Other bits, an error, or a call too large for one

@@ -394,3 +394,28 @@ def test_norms_softmax_and_vml_calls_run_on_one_thread_with_eagers_bits():
     # backwards, log-softmax, nll_loss and their backwards, and the 4096-element sqrt.)
     assert team["one_thread_calls"] >= 30 * 12, team
     assert team["same"] >= 12, team
+
+
+@needs_two_cores
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's team is what the guard sets")
+def test_a_verdict_holds_for_the_team_it_was_calibrated_with():
+    """A layout calibrated against a team of 2 is calibrated again for a team of 3 (one thread
+    may agree with 2 threads and not with 3): the second program's layouts are new verdicts, and
+    both stay bitwise equal to eager."""
+    out = run_child(MLP + """
+    def verdicts():
+        return terra_torch._C.runtime.team_guard()["same"] + terra_torch._C.runtime.team_guard()["differ"]
+
+    results = {}
+    for threads in (2, 3):
+        torch.set_num_threads(threads)
+        before = verdicts()
+        _, eager, p_eager = run(False, steps=30)
+        model, terra, p_terra = run(True, steps=30)
+        results[threads] = {"same": eager == terra and all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
+                            "new": verdicts() - before, "coexec": terra_torch.stats(model).iterations["coexec"]}
+    print(json.dumps(results))
+    """)
+    for threads in ("2", "3"):
+        assert out[threads]["same"] and out[threads]["coexec"] >= 25, out
+        assert out[threads]["new"] >= 5, out  # (3 forward GEMMs, 5 backward ones, per team)
