@@ -419,3 +419,57 @@ def test_a_verdict_holds_for_the_team_it_was_calibrated_with():
     for threads in ("2", "3"):
         assert out[threads]["same"] and out[threads]["coexec"] >= 25, out
         assert out[threads]["new"] >= 5, out  # (3 forward GEMMs, 5 backward ones, per team)
+
+
+@needs_two_cores
+def test_guarded_calls_of_other_dtypes_views_and_out_arguments_keep_eagers_bits():
+    """Layouts the guard keys and calibrates beyond the float GEMM: float64 and complex64
+    products, a transposed (strided) factor, an out= tensor written in place, `exp` on a
+    non-contiguous view, log-softmax over a middle dimension; 30 co-executed iterations at 2
+    threads equal eager bit for bit."""
+    out = run_child("""
+    import json, torch, torch.nn as nn
+    import terra_torch
+    torch.set_num_threads(2)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(24, 16, dtype=torch.float64) * 0.1)
+            self.c = nn.Parameter(torch.randn(16, 16, dtype=torch.complex64) * 0.1)
+            self.register_buffer("buf", torch.zeros(24, 24, dtype=torch.float64))
+
+        def forward(self, x):
+            h = x @ self.w                                    # (n, 16) float64
+            with torch.no_grad():
+                torch.mm(self.w, self.w.t(), out=self.buf)    # out=, a transposed factor
+            z = (h.to(torch.complex64) @ self.c).abs()        # complex64 product
+            e = torch.exp(h[:, ::2] * 0.01)                   # a strided view through VML
+            s = torch.log_softmax(z.view(-1, 4, 4), dim=1)    # a middle dimension
+            return h.square().mean() + self.buf.sum() * 1e-3 + z.float().mean() + e.mean() + s.float().mean()
+
+    def run(wrap):
+        torch.manual_seed(0)
+        m = M()
+        model = terra_torch.wrap(m) if wrap else m
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(40, 24, dtype=torch.float64, generator=gen) for _ in range(3)]
+        losses = []
+        for i in range(36):
+            loss = model(xs[i % 3])
+            opt.zero_grad(); loss.backward(); opt.step()
+            losses.append(loss.detach())
+        if wrap:
+            terra_torch.synchronize()
+        return [l.item() for l in losses], [p.detach().clone() for p in m.parameters()] + [m.buf.clone()], \\
+            terra_torch.stats(model) if wrap else None
+
+    (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
+    print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
+                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
+    """)
+    assert out["losses"] and out["params"], out
+    assert out["coexec"] >= 25, out
+    if out["team"] is not None:
+        assert out["team"]["one_thread_calls"] + out["team"]["team_calls"] >= 25 * 5, out["team"]
