@@ -332,7 +332,7 @@ void init_runtime(py::module_& m) {
         d["why"] = v.why;
         return d;
       },
-      "The process's verdicts on the graph worker's matrix-product layouts (runtime/team_guard.h)");
+      "The process's verdicts on the layouts of the graph worker's guarded calls (runtime/team_guard.h)");
 
   py::class_<ConcurrentChannel, std::shared_ptr<ConcurrentChannel>>(r, "Channel")
       .def(py::init<>())

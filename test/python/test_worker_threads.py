@@ -290,17 +290,44 @@ def test_a_speed_check_lost_to_eager_on_every_core_says_how_to_leave_python_one(
     assert runtime.every_core_hint() == ""
 
 
+# The child side of the guard's bitwise tests: `compare(make, inputs, steps, optimizer)` trains
+# make() eagerly and under terra_torch.wrap at 2 threads from the same seed, inputs(i) giving
+# the model's arguments of step i, and prints whether losses, parameters and buffers matched bit
+# for bit, the co-executed iterations and the worker's team stats.
+GUARD_LOOP = """
+    import json, torch, torch.nn as nn, torch.nn.functional as F
+    import terra_torch
+    torch.set_num_threads(2)
+
+    def compare(make, inputs, steps, optimizer=lambda params: torch.optim.SGD(params, lr=0.01)):
+        def run(wrap):
+            torch.manual_seed(0)
+            m = make()
+            model = terra_torch.wrap(m) if wrap else m
+            opt = optimizer(m.parameters())
+            losses = []
+            for i in range(steps):
+                loss = model(*inputs(i))
+                opt.zero_grad(); loss.backward(); opt.step()
+                losses.append(loss.detach())
+            if wrap:
+                terra_torch.synchronize()
+            state = [t.detach().clone() for t in list(m.parameters()) + list(m.buffers())]
+            return [l.item() for l in losses], state, terra_torch.stats(model) if wrap else None
+
+        (eager, s_eager, _), (terra, s_terra, stats) = run(False), run(True)
+        print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(s_eager, s_terra)),
+                          "coexec": stats.iterations["coexec"], "team": stats.worker_team}))
+"""
+
+
 @needs_two_cores
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's team is what the guard sets")
 def test_matrix_products_nested_in_another_ops_kernel_are_guarded_too():
     """addbmm's CPU kernel loops over addmm_: the outer call and the nested ones each have a
     layout of their own (a calibration of the outer runs the nested ones), and a loop of
     addbmm, baddbmm and addmv over batches of two sizes stays bitwise equal to eager."""
-    out = run_child("""
-    import json, torch, torch.nn as nn
-    import terra_torch
-    torch.set_num_threads(2)
-
+    out = run_child(GUARD_LOOP + """
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -313,26 +340,9 @@ def test_matrix_products_nested_in_another_ops_kernel_are_guarded_too():
             b = torch.baddbmm(h.expand(4, -1, -1), x, self.w)       # (4, n, 8)
             return torch.addmv(torch.zeros(x.shape[1]), h, self.v).sum() + b.square().mean()
 
-    def run(wrap):
-        torch.manual_seed(0)
-        m = M()
-        model = terra_torch.wrap(m) if wrap else m
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for i in range(40):
-            x = torch.randn(4, 6 if i % 10 == 9 else 32, 16, generator=gen)
-            loss = model(x)
-            opt.zero_grad(); loss.backward(); opt.step()
-            losses.append(loss.detach())
-        if wrap:
-            terra_torch.synchronize()
-        return [l.item() for l in losses], [p.detach().clone() for p in m.parameters()], \\
-            terra_torch.stats(model) if wrap else None
-
-    (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
-    print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
-                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 6 if i % 10 == 9 else 32, 16, generator=gen) for i in range(40)]
+    compare(M, lambda i: (xs[i],), 40)
     """)
     assert out["losses"] and out["params"], out
     assert out["coexec"] >= 20, out
@@ -346,11 +356,7 @@ def test_norms_softmax_and_vml_calls_run_on_one_thread_with_eagers_bits():
     and its backward, nll_loss, Adam's `sqrt` of a 4096-element state (VML above 2048 elements).
     Their layouts are calibrated to one thread, and 40 co-executed iterations at 2 threads stay
     bitwise equal to eager; a full reduction over 2**18 floats (not a guarded op) keeps the team."""
-    out = run_child("""
-    import json, torch, torch.nn as nn, torch.nn.functional as F
-    import terra_torch
-    torch.set_num_threads(2)
-
+    out = run_child(GUARD_LOOP + """
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -363,27 +369,10 @@ def test_norms_softmax_and_vml_calls_run_on_one_thread_with_eagers_bits():
             h = self.bn(torch.tanh(self.ln(self.a(x))))
             return F.cross_entropy(self.b(h), y) + big.sum() * 1e-6
 
-    def run(wrap):
-        torch.manual_seed(0)
-        m = M()
-        model = terra_torch.wrap(m) if wrap else m
-        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(1)
-        data = [(torch.randn(48, 64, generator=gen), torch.randint(0, 10, (48,), generator=gen),
-                 torch.randn(2 ** 18, generator=gen)) for _ in range(4)]
-        losses = []
-        for i in range(40):
-            loss = model(*data[i % 4])
-            opt.zero_grad(); loss.backward(); opt.step()
-            losses.append(loss.detach())
-        if wrap:
-            terra_torch.synchronize()
-        return [l.item() for l in losses], [p.detach().clone() for p in m.parameters()] + \\
-            [m.bn.running_mean.clone(), m.bn.running_var.clone()], terra_torch.stats(model) if wrap else None
-
-    (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
-    print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
-                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(48, 64, generator=gen), torch.randint(0, 10, (48,), generator=gen),
+             torch.randn(2 ** 18, generator=gen)) for _ in range(4)]
+    compare(M, lambda i: data[i % 4], 40, lambda params: torch.optim.Adam(params, lr=1e-3))
     """)
     assert out["losses"] and out["params"], out
     assert out["coexec"] >= 30, out
@@ -427,11 +416,7 @@ def test_guarded_calls_of_other_dtypes_views_and_out_arguments_keep_eagers_bits(
     products, a transposed (strided) factor, an out= tensor written in place, `exp` on a
     non-contiguous view, log-softmax over a middle dimension; 30 co-executed iterations at 2
     threads equal eager bit for bit."""
-    out = run_child("""
-    import json, torch, torch.nn as nn
-    import terra_torch
-    torch.set_num_threads(2)
-
+    out = run_child(GUARD_LOOP + """
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -448,26 +433,9 @@ def test_guarded_calls_of_other_dtypes_views_and_out_arguments_keep_eagers_bits(
             s = torch.log_softmax(z.view(-1, 4, 4), dim=1)    # a middle dimension
             return h.square().mean() + self.buf.sum() * 1e-3 + z.float().mean() + e.mean() + s.float().mean()
 
-    def run(wrap):
-        torch.manual_seed(0)
-        m = M()
-        model = terra_torch.wrap(m) if wrap else m
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        gen = torch.Generator().manual_seed(1)
-        xs = [torch.randn(40, 24, dtype=torch.float64, generator=gen) for _ in range(3)]
-        losses = []
-        for i in range(36):
-            loss = model(xs[i % 3])
-            opt.zero_grad(); loss.backward(); opt.step()
-            losses.append(loss.detach())
-        if wrap:
-            terra_torch.synchronize()
-        return [l.item() for l in losses], [p.detach().clone() for p in m.parameters()] + [m.buf.clone()], \\
-            terra_torch.stats(model) if wrap else None
-
-    (eager, p_eager, _), (terra, p_terra, s) = run(False), run(True)
-    print(json.dumps({"losses": eager == terra, "params": all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
-                      "coexec": s.iterations["coexec"], "team": s.worker_team}))
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(40, 24, dtype=torch.float64, generator=gen) for _ in range(3)]
+    compare(M, lambda i: (xs[i % 3],), 36)
     """)
     assert out["losses"] and out["params"], out
     assert out["coexec"] >= 25, out
