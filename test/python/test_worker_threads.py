@@ -441,3 +441,20 @@ def test_guarded_calls_of_other_dtypes_views_and_out_arguments_keep_eagers_bits(
     assert out["coexec"] >= 25, out
     if out["team"] is not None:
         assert out["team"]["one_thread_calls"] + out["team"]["team_calls"] >= 25 * 5, out["team"]
+
+
+@needs_two_cores
+def test_the_team_guard_can_be_switched_off():
+    """TERRA_TEAM_GUARD=0: no guarded call, `worker_team` is None, the speed check does not settle
+    by time (without the guard co-execution on several threads is 3-10x slower), and the results
+    are eager's bits all the same."""
+    out = run_child(MLP + """
+    _, eager, p_eager = run(False, steps=20)
+    model, terra, p_terra = run(True, steps=20)
+    s = terra_torch.stats(model)
+    print(json.dumps({"same": eager == terra and all(torch.equal(a, b) for a, b in zip(p_eager, p_terra)),
+                      "team": s.worker_team, "calls": s.runner["graph_one_thread_calls"] + s.runner["graph_team_calls"],
+                      "settle_s": model._terra_program._speed.settle_s, "coexec": s.iterations["coexec"]}))
+    """, TERRA_TEAM_GUARD="0")
+    assert out["same"] and out["coexec"] >= 15, out
+    assert out["team"] is None and out["calls"] == 0 and out["settle_s"] == 0.0, out
