@@ -40,8 +40,8 @@ of 0.13 (eager: 0.20), and a check measuring them chose eager. So co-executed it
 only from `settle_s` (50 ms, where torch runs more than one intra-op thread) after a switch;
 so do eager ones (the worker's team threads spin after the graph's kernels). The Program sets
 `settle_s` to 0 where the worker's small calls cannot take one thread (csrc/runtime/team_guard.h,
-not installed): with a full team co-execution on several threads is
-3-10x slower, and each recheck's settling would co-execute for 50 ms.
+not installed): with a full team co-execution on several threads is 3-10x slower, and each
+recheck's settling would co-execute for 50 ms.
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,

@@ -124,7 +124,7 @@ def _trace_of(region: _C.Region) -> Trace:
 
     ops = []
     for index, raw in enumerate(region.ops()):
-        name, attrs, attrs_hash, inputs, outputs, loc, loops, backward, materialize = raw[:9]
+        name, attrs, attrs_hash, inputs, outputs, loc, loops, backward, materialize = raw
         ins = tuple(
             Input(arg, k, external=a) if kind == "external" else Input(arg, k, op=a, output=b)
             for arg, k, kind, a, b in inputs

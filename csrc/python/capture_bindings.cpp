@@ -51,11 +51,9 @@ py::list ops_of(const Region& region) {
     for (const capture::TensorMeta& m : rec.outputs) outputs.append(meta_tuple(m));
     py::list loops;
     for (const capture::LoopFrame& l : rec.loops) loops.append(py::make_tuple(l.loop_id, l.iteration));
-    py::list attribute_arguments;
-    for (int16_t a : rec.attribute_arguments) attribute_arguments.append(a);
     out.append(py::make_tuple(c10::toString(rec.op.operator_name()), py::tuple(attributes), rec.attributes_hash,
                               py::tuple(inputs), py::tuple(outputs), rec.location, py::tuple(loops),
-                              rec.backward, rec.needs_materialization, py::tuple(attribute_arguments)));
+                              rec.backward, rec.needs_materialization));
   }
   return out;
 }

@@ -49,7 +49,7 @@ const std::unordered_map<std::string_view, Guarded>& guarded_ops() {
         {"baddbmm", {1, 2}}, {"baddbmm_", {1, 2}}, {"addbmm", {1, 2}}, {"addbmm_", {1, 2}},
         {"addmv", {1, 2}},   {"addmv_", {1, 2}},
     };
-    static const char* const elementwise[] = {
+    static const char* const by_elements[] = {
         // VML (ATen/cpu/vml.h), and their in-place forms
         "sqrt", "sqrt_", "exp", "exp_", "expm1", "expm1_", "log", "log_", "log1p", "log1p_", "log2", "log2_",
         "log10", "log10_", "sin", "sin_", "cos", "cos_", "tan", "tan_", "tanh", "tanh_", "asin", "asin_",
@@ -63,7 +63,7 @@ const std::unordered_map<std::string_view, Guarded>& guarded_ops() {
         "_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_",
         "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
     };
-    for (const char* name : elementwise) t.emplace(name, Guarded{});
+    for (const char* name : by_elements) t.emplace(name, Guarded{});
     return t;
   }();
   return table;
@@ -279,36 +279,15 @@ class Teams {
   BlasTeamGuard mkl_;  // (0: the process's setting, the team eager runs with)
 };
 
-// A random copy of an argument: tensors (and tensors in lists) on fresh storage via random_like,
-// their bases appended to `bases`; any other value as it is.
-c10::IValue random_argument(const c10::IValue& v, at::Generator& gen, std::vector<at::Tensor>* bases) {
-  auto copy = [&](const at::Tensor& t) {
-    if (!t.defined()) return t;
-    auto [base, view] = random_like(t, gen);
-    bases->push_back(std::move(base));
-    return view;
-  };
-  if (v.isTensor()) return copy(v.toTensor());
+// `v` with each defined tensor in it (a tensor, or the tensors of a list) replaced by f(tensor);
+// any other value as it is.
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& v, F&& f) {
+  auto one = [&](const at::Tensor& t) { return t.defined() ? f(t) : t; };
+  if (v.isTensor()) return one(v.toTensor());
   if (v.isTensorList()) {
     std::vector<at::Tensor> list;
-    for (const at::Tensor& t : v.toTensorList()) list.push_back(copy(t));
-    return list;
-  }
-  return v;
-}
-
-// The same arguments on a copy of each base (`bases` from random_argument, in the same order).
-c10::IValue same_on(const c10::IValue& v, const std::vector<at::Tensor>& copies, size_t* next) {
-  auto on_copy = [&](const at::Tensor& t) {
-    if (!t.defined()) return t;
-    TORCH_INTERNAL_ASSERT(*next < copies.size());
-    const at::Tensor& c = copies[(*next)++];
-    return c.as_strided(t.sizes(), t.strides(), t.storage_offset());
-  };
-  if (v.isTensor()) return on_copy(v.toTensor());
-  if (v.isTensorList()) {
-    std::vector<at::Tensor> list;
-    for (const at::Tensor& t : v.toTensorList()) list.push_back(on_copy(t));
+    for (const at::Tensor& t : v.toTensorList()) list.push_back(one(t));
     return list;
   }
   return v;
@@ -336,10 +315,20 @@ bool calibrate(const c10::OperatorHandle& op, c10::DispatchKeySet below, const t
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/20261203);
     torch::jit::Stack team, one;
     std::vector<at::Tensor> bases, copies;
-    for (size_t i = first; i < stack.size(); ++i) team.push_back(random_argument(stack[i], gen, &bases));
+    // Random copies of the arguments (their bases kept to compare afterwards), then the same
+    // values on a clone of each base, in the same order.
+    for (size_t i = first; i < stack.size(); ++i)
+      team.push_back(map_tensors(stack[i], [&](const at::Tensor& t) {
+        auto [base, view] = random_like(t, gen);
+        bases.push_back(std::move(base));
+        return view;
+      }));
     for (const at::Tensor& base : bases) copies.push_back(base.clone());
     size_t next = 0;
-    for (const c10::IValue& v : team) one.push_back(same_on(v, copies, &next));
+    for (const c10::IValue& v : team)
+      one.push_back(map_tensors(v, [&](const at::Tensor& t) {
+        return copies.at(next++).as_strided(t.sizes(), t.strides(), t.storage_offset());
+      }));
     {
       Teams torchs(false);
       op.redispatchBoxed(below, &team);
@@ -368,11 +357,13 @@ c10::DispatchKeySet below_guard(c10::DispatchKeySet ks) {
   return ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey);
 }
 
+// One kernel per way of counting work (the factors' positions, or -1: elements), so that a call
+// needs no lookup of its op in guarded_ops().
+template <int First, int Second>
 void guard_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  constexpr Guarded g{First, Second};
   const c10::DispatchKeySet below = below_guard(ks);
   const size_t first = stack->size() - op.schema().arguments().size();
-  const std::string_view name(op.schema().name());
-  const Guarded g = guarded_ops().at(name.substr(name.find("::") + 2));  // (only listed ops have this kernel)
   thread_local Layout layout;  // (reused: no allocation per call)
   const int64_t work = layout_of(op, g, *stack, first, &layout);
   if (work < 0) {
@@ -401,6 +392,14 @@ void guard_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
     ++t_calls.team;  // (the thread's teams as they are: torch's, or one inside a one-thread call)
     op.redispatchBoxed(below, stack);
   }
+}
+
+// The guard_kernel instance for an entry of guarded_ops() (whose factors are at 0, 1 or 1, 2).
+torch::CppFunction kernel_for(Guarded g) {
+  if (g.first < 0) return torch::CppFunction::makeFromBoxedFunction<&guard_kernel<-1, -1>>();
+  TORCH_INTERNAL_ASSERT((g.first == 0 && g.second == 1) || (g.first == 1 && g.second == 2));
+  return g.first == 0 ? torch::CppFunction::makeFromBoxedFunction<&guard_kernel<0, 1>>()
+                      : torch::CppFunction::makeFromBoxedFunction<&guard_kernel<1, 2>>();
 }
 
 }  // namespace
@@ -432,7 +431,7 @@ bool install_team_guard() {
       };
       if (g.first >= 0 && (!is_tensor(g.first) || !is_tensor(g.second))) continue;  // (another shape)
       const std::string qualified = name.overload_name.empty() ? base : base + "." + name.overload_name;
-      lib.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&guard_kernel>());
+      lib.impl(qualified.c_str(), kernel_for(g));
     }
     return true;
   }();
