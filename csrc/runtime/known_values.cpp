@@ -49,7 +49,10 @@ bool KnownValues::fresh(const at::Tensor& t) const {
 }
 
 bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph) {
-  if (known_.empty() && (graph == nullptr || recipes_.empty())) return false;
+  // (A read with nothing known and no recipe: the caller reads fresh tensors from their memory.
+  // An op to follow goes on: its arguments may be fresh, the step counters of the first
+  // co-executed iteration after eager ones, say.)
+  if (graph != nullptr && known_.empty() && recipes_.empty()) return false;
   out.clear();
   bool any = false;
   // The known value of one tensor argument (itself for Python numbers and fresh tensors).
@@ -58,15 +61,17 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
       v = t;
       return true;
     }
-    if (const Known* k = find(t)) {
-      v = k->value;
-      any = true;
-      return true;
-    }
-    if (fresh(t)) {
-      v = copy_of(t);  // the op may write it, and only the graph may write the real one
-      any = true;
-      return true;
+    if (t.numel() <= kMaxKnownElements) {  // (the only ones known or fresh; most ops' first tensor is larger)
+      if (const Known* k = find(t)) {
+        v = k->value;
+        any = true;
+        return true;
+      }
+      if (fresh(t)) {
+        v = copy_of(t);  // the op may write it, and only the graph may write the real one
+        any = true;
+        return true;
+      }
     }
     if (graph == nullptr || !capture::is_placeholder(t)) return false;
     if (resolve(t, v, *graph, 0)) {

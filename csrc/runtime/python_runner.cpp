@@ -386,6 +386,7 @@ void PythonRunner::synchronize(bool finish) {
     // table kept for the placeholder, so the table and the links go, as after a divergence.
     values_->clear();
     forget_links();
+    known_.graph_finished();
   }
 }
 
