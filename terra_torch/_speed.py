@@ -38,10 +38,14 @@ OpenMP team threads of Python's eager kernels spin for libgomp's default spin co
 the graph needs: for 35-40 ms on the development VM, co-executed MLP steps took 0.42 ms instead
 of 0.13 (eager: 0.20), and a check measuring them chose eager. So co-executed iterations count
 only from `settle_s` (50 ms, where torch runs more than one intra-op thread) after a switch;
-so do eager ones (the worker's team threads spin after the graph's kernels). The Program sets
-`settle_s` to 0 where the worker's small calls cannot take one thread (csrc/runtime/team_guard.h,
-not installed): with a full team co-execution on several threads is 3-10x slower, and each
-recheck's settling would co-execute for 50 ms.
+so do eager ones (after co-executed iterations eager ones are slower for a while too). Where
+the Python thread gives its OpenMP pool back as it enters co-execution (the Program does, where
+the OpenMP runtime can: csrc/runtime/worker_threads.h), no team of Python's is left to spin, and
+co-executed blocks settle for `settle` iterations only (`coexec_settle_s` 0): at 2 threads, the
+MLP's first co-executed steps after eager ones took 0.23-0.3 ms against 2-5 ms for 3 of the
+first 7 without it. The Program sets `settle_s` to 0 where the worker's small calls cannot take
+one thread (csrc/runtime/team_guard.h, not installed): with a full team co-execution on several
+threads is 3-10x slower, and each recheck's settling would co-execute for 50 ms.
 
 An iteration's time is the wall time from one start of an iteration to the next, so it covers
 everything the loop does (data loading, backward, the optimizer, logging) and, in co-execution,
@@ -98,7 +102,7 @@ class SpeedCheck:
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
                  settle_s: float | None = None, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
-                 decisive: float = 1.5, probe: tuple[int, int] = (4, 10)) -> None:
+                 decisive: float = 1.5, probe: tuple[int, int] = (4, 10), coexec_settle_s: float | None = None) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")
@@ -117,6 +121,13 @@ class SpeedCheck:
         # None: SETTLE_S where torch runs more than one intra-op thread, else 0 (one thread has
         # no team to spin, and a settling eager block only delays the verdict).
         self.settle_s = settle_s
+        # The same for co-executed blocks only (None: settle_s). The Program sets 0 where this
+        # thread gives its OpenMP pool back when it enters co-execution (runtime.py, begin()): no
+        # team of Python's is left to spin then. Eager blocks keep settle_s: on the development VM,
+        # 2 threads, `cnn_bn`'s eager iterations measured from the 6th after co-executed ones
+        # took 1.39-1.51 ms against 1.08-1.12 after 50 ms (its verdict: 5% apart, against 30%),
+        # although the worker's pool is given back when the program leaves co-execution.
+        self.coexec_settle_s = coexec_settle_s
         self._skipped_s = 0.0
         self.first_interval = interval
         self.max_interval = max_interval
@@ -211,6 +222,8 @@ class SpeedCheck:
         return self._conclude(iteration, {m: min(statistics.median(b) for b in self._samples[m]) for m in (COEXEC, EAGER)})
 
     def _settle_seconds(self) -> float:
+        if self._measuring == COEXEC and self.coexec_settle_s is not None:
+            return self.coexec_settle_s
         if self.settle_s is not None:
             return self.settle_s
         return SETTLE_S if torch.get_num_threads() > 1 else 0.0

@@ -198,9 +198,14 @@ class Program:
         # Co-execution or eager, whichever is faster (terra_torch/_speed.py); TERRA_SPEED_CHECK=0
         # turns it off everywhere.
         self._speed = SpeedCheck(speed_check and mode == "coexec" and os.environ.get("TERRA_SPEED_CHECK", "1") != "0")
-        # Blocks settle for a time after a switch only where co-execution on several threads can
-        # win: without the worker's one-thread small calls (csrc/runtime/team_guard.h) it is
-        # 3-10x slower there, and each recheck's settling would co-execute for 50 ms.
+        # Blocks settle for a time after a switch (terra_torch/_speed.py): co-executed ones not
+        # where this thread gives its OpenMP pool back as it enters co-execution (begin()), none
+        # without the worker's one-thread small calls (csrc/runtime/team_guard.h), where
+        # co-execution on several threads is 3-10x slower and each recheck's settling would
+        # co-execute for 50 ms.
+        self._pools_released = _C.runtime.can_release_openmp_pool()
+        if self._pools_released:
+            self._speed.coexec_settle_s = 0.0
         if not _C.runtime.team_guard()["installed"]:
             self._speed.settle_s = 0.0
         self._speed_eager = False  # phase "eager" because eager was measured faster
@@ -240,7 +245,7 @@ class Program:
             if self._warm_folder is not None and self._kept is None and self.phase == "tracing":
                 # (not for a program already sent to eager, e.g. an unsupported DDP wrapper)
                 self._warm_start(_user_frame(sys._getframe(1)))
-            self._region_phase = self.phase
+            previous_phase, self._region_phase = self._region_phase, self.phase
             self._t0 = start
             _active, _active_thread = self, threading.get_ident()
             if self.phase != "coexec" and self._worker_pool_held:
@@ -248,6 +253,12 @@ class Program:
                 # both teams sleep at every barrier (csrc/runtime/worker_threads.h).
                 self._session.release_worker_pool()
                 self._worker_pool_held = False
+            elif self.phase == "coexec" and previous_phase != "coexec" and self._pools_released:
+                # The graph's kernels run on the worker now, and the idle team threads of this
+                # thread's eager kernels (tracing, eager iterations) would spin on its core for
+                # libgomp's spin count: at 2 threads, co-executed MLP steps right after a switch
+                # took 2-5 ms instead of 0.25 (3 of the first 7), without this none.
+                _C.runtime.release_openmp_pool()
             if self.phase == "eager":
                 return
             if self.phase == "coexec":

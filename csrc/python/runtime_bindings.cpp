@@ -319,6 +319,11 @@ void init_runtime(py::module_& m) {
         "Whether DDP's reducer hooks on these leaves are idle, so do not stop a backward replay "
         "(runtime/backward_replay.h)");
 
+  r.def("release_openmp_pool", &runtime::release_openmp_pool,
+        "Gives the calling thread's OpenMP pool back: its idle team threads exit instead of spinning "
+        "on the cores the graph worker needs (runtime/worker_threads.h)");
+  r.def("can_release_openmp_pool", &runtime::can_release_openmp_pool,
+        "Whether release_openmp_pool() can give a pool back with this OpenMP runtime");
   r.def(
       "team_guard",
       [] {

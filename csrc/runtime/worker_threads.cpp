@@ -78,9 +78,13 @@ OmpTeamGuard::~OmpTeamGuard() {
   if (active_ && omp_get_max_threads() != previous_) omp_set_num_threads(previous_);
 }
 
-void release_openmp_pool() {
+bool can_release_openmp_pool() {
   static const bool enabled = !common::switched_off("TERRA_OPENMP_POOL_RELEASE");
-  if (!enabled || omp_pause_resource_all == nullptr || omp_set_num_threads == nullptr) return;
+  return enabled && omp_pause_resource_all != nullptr && omp_set_num_threads != nullptr;
+}
+
+void release_openmp_pool() {
+  if (!can_release_openmp_pool()) return;
   const int team = at::get_num_threads();
   if (team <= 1 || at::in_parallel_region()) return;
   constexpr int kOmpPauseSoft = 1;  // omp_pause_soft: threads go, the runtime stays initialized

@@ -102,5 +102,8 @@ class OmpTeamGuard {
 // on this thread makes a new pool of the same size). A no-op inside a parallel region, where the
 // intra-op team has one thread, and with TERRA_OPENMP_POOL_RELEASE=0 (for comparisons).
 void release_openmp_pool();
+// Whether release_openmp_pool() can give a pool back here (an OpenMP runtime that exports
+// omp_pause_resource_all, and TERRA_OPENMP_POOL_RELEASE is not 0).
+bool can_release_openmp_pool();
 
 }  // namespace terra::runtime

@@ -68,6 +68,12 @@ def test_blocks_settle_for_a_time_after_a_switch_where_teams_can_spin(monkeypatc
     # 2; eager: 4 to settle (1 iteration, but 4/64 s) + 2; then the same again.
     assert modes == ("c" * (4 + 2) + "e" * (4 + 2)) * 2 + "c" * 4, modes
     assert check.verdicts and check.verdicts[0].iteration == 23
+    # Where Python's pool is given back as it enters co-execution, co-executed blocks settle for
+    # `settle` iterations only (and the first one for first_after's); eager blocks still for 4/64 s.
+    check = SpeedCheck(first_after=4, window=4, settle=1, settle_s=4 / 64, interval=50, coexec_settle_s=0.0)
+    modes = "".join(m[0] for m in feed(check, times, 19))
+    assert modes == "c" * (2 + 2) + "e" * (4 + 2) + "c" * (1 + 2) + "e" * (4 + 2), modes
+    assert check.verdicts and check.verdicts[0].iteration == 18
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     check = SpeedCheck(first_after=4, window=4, settle=1, interval=50)  # settle_s: by the threads
     modes = "".join(m[0] for m in feed(check, times, 11))
@@ -317,7 +323,9 @@ def test_a_graph_bound_loop_is_checked_within_its_first_iterations():
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
         if terra:
             m = terra_torch.wrap(m)
-            m._terra_program._speed = SpeedCheck(True, first_after=100)
+            # (settling as the Program sets it up for this machine)
+            m._terra_program._speed = SpeedCheck(True, first_after=100, settle_s=m._terra_program._speed.settle_s,
+                                                 coexec_settle_s=m._terra_program._speed.coexec_settle_s)
         x = torch.randn(256, 384, generator=torch.Generator().manual_seed(3))
         losses = []
         for _ in range(90):

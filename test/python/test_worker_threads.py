@@ -458,3 +458,56 @@ def test_the_team_guard_can_be_switched_off():
     """, TERRA_TEAM_GUARD="0")
     assert out["same"] and out["coexec"] >= 15, out
     assert out["team"] is None and out["calls"] == 0 and out["settle_s"] == 0.0, out
+
+
+@needs_two_cores
+def test_python_gives_its_openmp_team_back_as_it_enters_coexecution():
+    """Tracing runs kernels on the Python thread with torch's team of 2; the team's idle thread
+    would spin on the core the graph worker needs. The first co-executed iteration gives it back
+    (csrc/runtime/worker_threads.h), and with TERRA_OPENMP_POOL_RELEASE=0 it stays."""
+    source = """
+        import json, os, torch, torch.nn as nn
+        import terra_torch
+        torch.set_num_threads(2)
+        # A thread libgomp makes takes its creator's name at that moment: the Python thread is
+        # named "pyteam" while its team is made (a parallel kernel), then named back, so that
+        # the threads named "pyteam" are that team's (the worker thread, made later, and its
+        # team are not, nor a team made anew later).
+        def name_main(name):
+            with open(f"/proc/self/task/{os.getpid()}/comm", "w") as f:
+                f.write(name)
+
+        def team_threads():
+            return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pyteam"
+                       for t in os.listdir("/proc/self/task"))
+
+        original = open("/proc/self/comm").read().strip()
+        name_main("pyteam")
+        torch.randn(1 << 20).add_(1.0)  # at::parallel_for over 2**20 floats: the team of 2
+        name_main(original)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(64, 64)
+
+            def forward(self, x):
+                return self.lin(x).relu().sum()
+
+        model = terra_torch.wrap(Net())
+        x = torch.randn(4096, 64)
+        seen = []
+        for i in range(8):
+            model(x).backward()
+            seen.append((model._terra_program._region_phase, team_threads()))  # (the phase it ran in)
+        print(json.dumps(seen))
+    """
+    released = run_child(source)
+    kept = run_child(source, TERRA_OPENMP_POOL_RELEASE="0")
+    # (the phase of each iteration, the Python thread's first team's threads after it)
+    assert kept[0][1] >= 1 and all(threads == kept[0][1] for phase, threads in kept), kept
+    assert [phase for phase, _ in released] == [phase for phase, _ in kept], (released, kept)
+    assert released[0] == ["tracing", kept[0][1]] and released[-1][0] == "coexec", released
+    # Through tracing the team is there; from the first co-executed iteration on its idle thread is gone
+    for phase, threads in released:
+        assert threads == (0 if phase == "coexec" else kept[0][1]), released
