@@ -13,7 +13,10 @@ A variant is a runner (`eager` or `terra`) with optional environment settings:
 `terra:TERRA_AB_OPTIMIZE=fused` wraps with optimize="fused" and, after the warm-up, runs on until
 every compiled segment is checked (docs/RUNTIME.md, "Compiled segments"; set TERRA_CACHE_DIR to a
 directory a previous run filled to time a warm start). Terra variants run with the speed check off (TERRA_SPEED_CHECK=0): they compare co-execution
-policies, not the check's choice. A program marked TERRA_ITERATION = "step" is wrapped with
+policies, not the check's choice; `terra:TERRA_AB_SPEED_CHECK=1` keeps it on (with `--warmup 0`: what
+a user's run of `--steps` steps costs, tracing and the check's turns included; the child reports
+the share of co-executed iterations), and `TERRA_AB_COEXEC_SETTLE=auto` beside it lets co-executed
+blocks settle for 50 ms like eager ones (terra_torch/_speed.py). A program marked TERRA_ITERATION = "step" is wrapped with
 terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
 times `--steps` steps and prints one JSON line. `--threads N` sets torch's intra-op threads in
@@ -41,20 +44,24 @@ name, runner, warmup, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sy
 mod = load_program(name)
 per_step = getattr(mod, "TERRA_ITERATION", "model") == "step"
 optimize = "fused" if os.environ.get("TERRA_AB_OPTIMIZE") == "fused" else False
+check = os.environ.get("TERRA_AB_SPEED_CHECK") == "1"
 wrapped = []
 if runner == "terra":
     import terra_torch
 def wrap(model, example_inputs):
     if runner == "terra" and not per_step:
-        wrapped.append(terra_torch.wrap(model, speed_check=False, optimize=optimize))
+        wrapped.append(terra_torch.wrap(model, speed_check=check, optimize=optimize))
         return wrapped[-1]
     return model
 state = mod.build(0, Runtime("cpu", wrap))
 if runner == "terra" and per_step:
-    step = terra_torch.function(mod.step, speed_check=False, optimize=optimize)
+    step = terra_torch.function(mod.step, speed_check=check, optimize=optimize)
     wrapped.append(step)
 else:
     step = mod.step
+if check and os.environ.get("TERRA_AB_COEXEC_SETTLE") == "auto":  # (co-executed blocks settle as eager ones)
+    for w in wrapped:
+        w._terra_program._speed.coexec_settle_s = None
 for i in range(warmup):
     step(state, i)
 compile_wait_s = 0.0
@@ -75,6 +82,9 @@ for i in range(warmup, warmup + steps):
 if runner == "terra":
     terra_torch.synchronize()
 out = {"ms": (time.perf_counter() - t0) / steps * 1e3, "cpu_ms": (time.thread_time() - c0) / steps * 1e3}
+if runner == "terra":
+    phases = [terra_torch.stats(w).iterations for w in wrapped]
+    out["coexec_share"] = sum(p["coexec"] for p in phases) / max(1, sum(sum(p.values()) for p in phases))
 if optimize:
     segs = [s for w in wrapped for s in (terra_torch.explain(w).segments or [])]
     out.update(compile_wait_s=compile_wait_s, segments=len(segs),
@@ -95,7 +105,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 def run_child(program: str, variant: str, warmup: int, steps: int, threads: int = 1) -> dict:
     runner, settings = parse_variant(variant)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TERRA_SPEED_CHECK="0", TERRA_AB_THREADS=str(threads), **settings)
+               TERRA_SPEED_CHECK="1" if settings.get("TERRA_AB_SPEED_CHECK") == "1" else "0",
+               TERRA_AB_THREADS=str(threads), **settings)
     done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -132,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 last = cells[(program, variant)][-1]
                 extra = (f"  [{last['trusted']} of {last['segments']} segments compiled, "
                          f"compile wait {statistics.median(c['compile_wait_s'] for c in cells[(program, variant)]):.1f} s]")
+            if "coexec_share" in cells[(program, variant)][-1]:
+                extra += f"  [co-executed {statistics.median(c['coexec_share'] for c in cells[(program, variant)]):.0%}]"
             print(f"{program:12s} {variant:34s} {statistics.median(ms):8.3f} {ratio}  "
                   f"({', '.join('%.3f' % m for m in ms)}){extra}")
     return 0
