@@ -123,10 +123,10 @@ class SpeedCheck:
         self.settle_s = settle_s
         # The same for co-executed blocks only (None: settle_s). The Program sets 0 where this
         # thread gives its OpenMP pool back when it enters co-execution (runtime.py, begin()): no
-        # team of Python's is left to spin then. Eager blocks keep settle_s: on the development VM,
-        # 2 threads, `cnn_bn`'s eager iterations measured from the 6th after co-executed ones
-        # took 1.39-1.51 ms against 1.08-1.12 after 50 ms (its verdict: 5% apart, against 30%),
-        # although the worker's pool is given back when the program leaves co-execution.
+        # team of Python's is left to spin then. Eager blocks keep settle_s: with it 0 too, the
+        # check's eager medians for `cnn_bn` (2 threads) were 1.39-1.51 ms against 1.08-1.12 with
+        # 50 ms (runs minutes apart on a noisy VM, so not a proven transient), and one run kept
+        # co-executing at 5% apart where co-execution is 30% slower.
         self.coexec_settle_s = coexec_settle_s
         self._skipped_s = 0.0
         self.first_interval = interval
