@@ -231,6 +231,21 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
   return true;
 }
 
+void KnownValues::relearn_from_memory() {
+  known_.erase_if([](const c10::TensorImpl*, Known& k) {
+    if (!k.impl) return true;
+    const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl = k.impl->lock();
+    if (!impl) return true;
+    const at::Tensor t(impl);
+    if (!t.has_storage() || t.data_ptr() == nullptr || t.is_inference()) return true;  // (no memory to read)
+    k.value = copy_of(t);
+    k.version = t._version();
+    k.settled = true;
+    return false;
+  });
+  unsettled_.clear();
+}
+
 void KnownValues::note_written(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return;
   if (written_.size() >= kMaxWritten) {

@@ -106,17 +106,17 @@ class KnownValues {
     pruned_known_ = 0;
     forget_recipes();
   }
-  // The graph has run everything Python issued and every placeholder has its memory
-  // (PythonRunner::synchronize(true)): no write of a co-executed op is pending, so every small
-  // CPU tensor's memory is its value again. Without this, a step counter the previous co-executed
-  // stretch wrote stayed "written" through any number of eager iterations, and the first
-  // co-executed iteration after them waited for the graph at each of its reads (gpt at 2
-  // threads: 28 reads, 7-9 ms, about three eager steps, at every switch of the speed check).
-  void graph_finished() {
-    written_.clear();
-    written_overflow_ = false;
-    pruned_written_ = 0;
-  }
+  // Every known tensor's memory is its value now: the graph ran everything Python issued, every
+  // placeholder got its memory (PythonRunner::synchronize(true)), and no co-executed op has run
+  // since (called at the first co-executed iteration after that). Copies are taken again from
+  // memory, with the tensors' current versions. Without this, a step counter that eager iterations
+  // advanced in between (a version the copy does not know) and that the previous co-executed
+  // stretch wrote (so not fresh) was unknown again, and the first co-executed iteration waited for
+  // the graph at each counter's read (gpt at 2 threads: 28 waits, 7-9 ms, about three eager
+  // steps, at every switch of the speed check). The written storages are kept: forgetting them
+  // (tried) let a later read trust memory that a write the graph had pending still changed (a
+  // DDP GAN's losses differed from eager's at step 31).
+  void relearn_from_memory();
   // The output sequence restarts: the recipes' indices would name other values.
   void forget_recipes() {
     recipes_.clear();

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "capture/collectives.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "common/env.h"
@@ -95,6 +96,8 @@ void PythonRunner::begin_iteration() {
       waited_ += runner_->take_finished();
       if (drive_ == Drive::kCoExec) wait_until_in_flight_below(kMaxIterationsAhead);
     }
+    if (relearn_known_ && known_values_enabled_) known_.relearn_from_memory();
+    relearn_known_ = false;
     release_kept_feeds();
   } catch (const std::exception& e) {
     // The graph failed in an op Python did not check (an index out of range): what it had
@@ -193,7 +196,9 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
 bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
                                    torch::jit::Stack& out) {
   known_.drop_planned();
-  if (!known_values_enabled_ || diverged_) return false;
+  // Never a collective: followed (or kept as a recipe for a read), it would run a second time
+  // on this thread, and the other ranks would see it twice (a DDP run waited 30 s for a recv).
+  if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
   known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
   if (read) {
@@ -386,7 +391,7 @@ void PythonRunner::synchronize(bool finish) {
     // table kept for the placeholder, so the table and the links go, as after a divergence.
     values_->clear();
     forget_links();
-    known_.graph_finished();
+    relearn_known_ = true;  // (at the next co-executed iteration: eager code may write them first)
   }
 }
 

@@ -290,6 +290,9 @@ class PythonRunner final : public capture::CoExecHook {
   c10::SmallVector<at::Tensor, 4> known_written_;  // between known_arguments and follow_known
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
   const bool known_values_enabled_ = !common::switched_off("TERRA_KNOWN_VALUES");
+  // synchronize(true) ran: the next begin_iteration() takes the known copies again from memory
+  // (KnownValues::relearn_from_memory).
+  bool relearn_known_ = false;
 };
 
 }  // namespace terra::runtime
