@@ -203,8 +203,8 @@ class Program:
         # without the worker's one-thread small calls (csrc/runtime/team_guard.h), where
         # co-execution on several threads is 3-10x slower and each recheck's settling would
         # co-execute for 50 ms.
-        self._pools_released = _C.runtime.can_release_openmp_pool()
-        if self._pools_released:
+        self._can_release_pool = _C.runtime.can_release_openmp_pool()
+        if self._can_release_pool:
             self._speed.coexec_settle_s = 0.0
         if not _C.runtime.team_guard()["installed"]:
             self._speed.settle_s = 0.0
@@ -253,7 +253,7 @@ class Program:
                 # both teams sleep at every barrier (csrc/runtime/worker_threads.h).
                 self._session.release_worker_pool()
                 self._worker_pool_held = False
-            elif self.phase == "coexec" and previous_phase != "coexec" and self._pools_released:
+            elif self.phase == "coexec" and previous_phase != "coexec" and self._can_release_pool:
                 # The graph's kernels run on the worker now, and the idle team threads of this
                 # thread's eager kernels (tracing, eager iterations) would spin on its core for
                 # libgomp's spin count: at 2 threads, co-executed MLP steps right after a switch

@@ -21,7 +21,7 @@ TorchScriptExecutor::TorchScriptExecutor(std::shared_ptr<torch::jit::Graph> grap
   if (mode == TorchScriptMode::kInterpreter) {
     // Code copies the graph it is given before it rewrites anything (its PreprocessGraph step,
     // torch/csrc/jit/runtime/interpreter/preprocess_graph.h), so the caller's graph is safe and a
-    // copy here was a second one (the two took 14 ms of gpt's 75 ms graph build, perf).
+    // copy here would be a second copy of the whole graph.
     impl_->graph = std::move(graph);
     impl_->code.emplace(impl_->graph, "terra_graph");
   } else {

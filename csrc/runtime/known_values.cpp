@@ -49,10 +49,7 @@ bool KnownValues::fresh(const at::Tensor& t) const {
 }
 
 bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph) {
-  // (A read with nothing known and no recipe: the caller reads fresh tensors from their memory.
-  // An op to follow goes on: its arguments may be fresh, the step counters of the first
-  // co-executed iteration after eager ones, say.)
-  if (graph != nullptr && known_.empty() && recipes_.empty()) return false;
+  if (known_.empty() && (graph == nullptr || recipes_.empty())) return false;
   out.clear();
   bool any = false;
   // The known value of one tensor argument (itself for Python numbers and fresh tensors).

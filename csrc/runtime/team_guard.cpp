@@ -269,15 +269,6 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
-// Both teams of the calling thread for the guard's life: torch's, or one thread.
-class Teams {
- public:
-  explicit Teams(bool one_thread) : omp_(one_thread ? 1 : t_torchs_team), mkl_(one_thread ? 1 : 0) {}
-
- private:
-  OmpTeamGuard omp_;
-  BlasTeamGuard mkl_;  // (0: the process's setting, the team eager runs with)
-};
 
 // `v` with each defined tensor in it (a tensor, or the tensors of a list) replaced by f(tensor);
 // any other value as it is.
@@ -330,11 +321,11 @@ bool calibrate(const c10::OperatorHandle& op, c10::DispatchKeySet below, const t
         return copies.at(next++).as_strided(t.sizes(), t.strides(), t.storage_offset());
       }));
     {
-      Teams torchs(false);
+      const TeamSizeGuard torchs(t_torchs_team, 0);  // (MKL's 0: the process's setting, as eager runs)
       op.redispatchBoxed(below, &team);
     }
     {
-      Teams one_thread(true);
+      const TeamSizeGuard one_thread(1, 1);
       op.redispatchBoxed(below, &one);
     }
     bool same = team.size() == one.size();
@@ -386,7 +377,7 @@ void guard_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
   }
   if (verdict == Verdict::kSame) {
     ++t_calls.one_thread;
-    Teams one_thread(true);
+    const TeamSizeGuard one_thread(1, 1);
     op.redispatchBoxed(below, stack);
   } else {
     ++t_calls.team;  // (the thread's teams as they are: torch's, or one inside a one-thread call)

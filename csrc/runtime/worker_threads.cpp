@@ -60,22 +60,17 @@ WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op) {
 
 bool can_limit_blas_team() { return MKL_Set_Num_Threads_Local != nullptr; }
 
-BlasTeamGuard::BlasTeamGuard(int threads)
-    : active_(MKL_Set_Num_Threads_Local != nullptr),
-      previous_(active_ ? MKL_Set_Num_Threads_Local(threads) : 0) {}
-
-BlasTeamGuard::~BlasTeamGuard() {
-  if (active_) MKL_Set_Num_Threads_Local(previous_);
+TeamSizeGuard::TeamSizeGuard(int omp_threads, int blas_threads)
+    : omp_active_(omp_set_num_threads != nullptr && omp_get_max_threads != nullptr),
+      omp_previous_(omp_active_ ? omp_get_max_threads() : 0),
+      blas_active_(MKL_Set_Num_Threads_Local != nullptr),
+      blas_previous_(blas_active_ ? MKL_Set_Num_Threads_Local(blas_threads) : 0) {
+  if (omp_active_ && omp_threads != omp_previous_) omp_set_num_threads(omp_threads);
 }
 
-OmpTeamGuard::OmpTeamGuard(int threads)
-    : active_(omp_set_num_threads != nullptr && omp_get_max_threads != nullptr),
-      previous_(active_ ? omp_get_max_threads() : 0) {
-  if (active_ && threads != previous_) omp_set_num_threads(threads);
-}
-
-OmpTeamGuard::~OmpTeamGuard() {
-  if (active_ && omp_get_max_threads() != previous_) omp_set_num_threads(previous_);
+TeamSizeGuard::~TeamSizeGuard() {
+  if (blas_active_) MKL_Set_Num_Threads_Local(blas_previous_);
+  if (omp_active_ && omp_get_max_threads() != omp_previous_) omp_set_num_threads(omp_previous_);
 }
 
 bool can_release_openmp_pool() {

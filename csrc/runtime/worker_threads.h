@@ -68,34 +68,23 @@ WorkerThreadBudget adopt_worker_thread_budget_of(int intra_op);
 // Whether this torch has MKL's per-thread team (x86 wheels; aarch64 wheels use OpenBLAS).
 bool can_limit_blas_team();
 
-// MKL's team on the calling thread is `threads` for the guard's life (0: the process's setting),
-// then what it was (runtime/team_guard.h runs calibrated calls with one thread this way). A no-op
-// without MKL.
-class BlasTeamGuard {
+// The calling thread's teams for the guard's life, then what they were: OpenMP's (the thread's
+// own setting, which ATen's at::parallel_for and oneDNN read) is `omp_threads`, MKL's is
+// `blas_threads` (0: the process's setting, the team eager runs with). A runtime that is missing
+// (no MKL, no OpenMP that exports omp_set_num_threads) is left alone. runtime/team_guard.h runs
+// calibrated calls this way, with one thread or with torch's teams.
+class TeamSizeGuard {
  public:
-  explicit BlasTeamGuard(int threads);
-  ~BlasTeamGuard();
-  BlasTeamGuard(const BlasTeamGuard&) = delete;
-  BlasTeamGuard& operator=(const BlasTeamGuard&) = delete;
+  TeamSizeGuard(int omp_threads, int blas_threads);
+  ~TeamSizeGuard();
+  TeamSizeGuard(const TeamSizeGuard&) = delete;
+  TeamSizeGuard& operator=(const TeamSizeGuard&) = delete;
 
  private:
-  bool active_;
-  int previous_;
-};
-
-// OpenMP's team for the calling thread's next parallel regions (the thread's own setting, which
-// ATen's at::parallel_for and oneDNN read) is `threads` for the guard's life, then what it was.
-// A no-op without an OpenMP runtime that exports omp_set_num_threads.
-class OmpTeamGuard {
- public:
-  explicit OmpTeamGuard(int threads);
-  ~OmpTeamGuard();
-  OmpTeamGuard(const OmpTeamGuard&) = delete;
-  OmpTeamGuard& operator=(const OmpTeamGuard&) = delete;
-
- private:
-  bool active_;
-  int previous_;
+  bool omp_active_;
+  int omp_previous_;
+  bool blas_active_;
+  int blas_previous_;
 };
 
 // Gives the calling thread's OpenMP pool back (its team threads exit; the next parallel region
