@@ -252,7 +252,7 @@ def test_switching_between_coexecution_and_eager_keeps_eagers_numbers(optimizer)
     assert st.iterations["eager"] >= 15 and st.iterations["coexec"] >= 40, st.iterations
     # Each co-executed iteration right after eager ones reads only what the loop reads (the loss
     # every 4th step): the step counters eager iterations advanced are answered from their memory
-    # (KnownValues::graph_finished), not by waiting for the graph at each counter.
+    # (KnownValues::relearn_from_memory), not by waiting for the graph at each counter.
     coexec = {it for it, _ in st.spans}
     firsts = [(it, reads) for it, reads in st.spans if it - 1 not in coexec and it > 20]
     assert len(firsts) >= 3, st.spans
