@@ -198,10 +198,7 @@ void init_session(py::module_& m) {
             if (s.has_runner()) s.runner().materialize(t);
           },
           py::arg("tensor"))
-      .def("shut_down",
-           [](Session& s) {
-             if (s.has_runner()) s.runner().shut_down();
-           })
+      .def("shut_down", &Session::shut_down)
       .def_property_readonly("graph",
                              [](const Session& s) -> py::object {
                                if (s.emitted() == nullptr) return py::none();

@@ -228,6 +228,7 @@ struct FusedExecutor::Impl {
   std::shared_ptr<TorchScriptExecutor> outer;  // guarded by mu (a run holds its own reference)
   std::vector<bool> inlined;                   // guarded by mu: the segments `outer` runs in place
   std::vector<std::unique_ptr<SegmentState>> segments;
+  bool closed = false;  // guarded by mu (close())
   mutable std::mutex mu;
   std::condition_variable requested;
 };
@@ -434,6 +435,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
 std::optional<CompileRequest> FusedExecutor::next_request(std::chrono::nanoseconds wait) {
   std::unique_lock lock(impl_->mu);
   auto pending = [&]() -> std::optional<size_t> {
+    if (impl_->closed) return std::nullopt;
     for (size_t i = 0; i < impl_->segments.size(); ++i) {
       if (impl_->segments[i]->state == State::kRequested) return i;
     }
@@ -459,8 +461,25 @@ void FusedExecutor::compiled(size_t index, const std::string& package_path) {
   if (!loader) return failed(index, "loading the compiled package failed: " + error);
   std::lock_guard lock(impl_->mu);
   SegmentState& s = *impl_->segments[index];
+  if (impl_->closed) return;  // (the loader goes, its folder with it)
   s.loader = std::move(loader);
   s.state = State::kLoaded;
+}
+
+void FusedExecutor::close() {
+  std::vector<std::shared_ptr<Loader>> released;  // destroyed after the lock: each removes a folder
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->closed = true;
+    for (auto& s : impl_->segments) {
+      if (s->loader) released.push_back(std::move(s->loader));
+      if (s->state != State::kNew && s->state != State::kInterpreted) {
+        s->state = State::kInterpreted;
+        s->reason = "the program was closed";
+      }
+    }
+  }
+  impl_->requested.notify_all();
 }
 
 void FusedExecutor::failed(size_t index, const std::string& reason) {

@@ -134,6 +134,12 @@ class FusedExecutor final : public Executor {
   std::optional<CompileRequest> next_request(std::chrono::nanoseconds wait);
   void compiled(size_t segment, const std::string& package_path);  // loads the package
   void failed(size_t segment, const std::string& reason);
+  // The program is closed for good (Session::shut_down): every loaded package is let go now, so
+  // that its loader deletes the folder it extracted the package to (AOTIModelPackageLoader does
+  // that only in its destructor, and a program Python still holds at exit is never destroyed:
+  // each run left ~1.5 MB per segment in /tmp). Segments report "interpreted", the compiler gets
+  // no more requests and a package it hands over later is not loaded.
+  void close();
   std::vector<SegmentReport> report() const;
   const emit::SegmentedGraph& segmented() const;
   // Called by the terra::segment op's kernel on the thread running this executor.

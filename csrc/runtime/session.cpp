@@ -29,6 +29,11 @@ Session::~Session() {
   }
 }
 
+void Session::shut_down() {
+  if (runner_) runner_->shut_down();
+  if (fused_) fused_->close();
+}
+
 bool Session::add(const capture::Region& region) {
   TORCH_CHECK(!region.is_open(), "terra_torch: a region must be closed before its trace is merged");
   bool covered = false;

@@ -52,6 +52,9 @@ class Session {
   // runner is synchronized (its live placeholders get their values) and shut down first.
   void build();
   bool has_runner() const { return runner_ != nullptr; }
+  // Stops the program for good: the runner is synchronized and shut down, and compiled segments
+  // are let go (FusedExecutor::close). Safe to call again.
+  void shut_down();
 
   // Warm start (docs/RUNTIME.md, "Warm start"): the traces merged so far as one JSON text that
   // import_program merges again in another process, where locations mean the same

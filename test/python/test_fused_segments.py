@@ -10,6 +10,7 @@ Compiling costs about 20 s per segment on a 2-core machine, so only a few tests 
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 
 import pytest
@@ -360,10 +361,15 @@ def test_optimize_must_be_a_known_value() -> None:
         terra_torch.wrap(_mlp(), optimize="fast")
 
 
-def test_coexecution_runs_compiled_segments_within_tolerance() -> None:
+def test_coexecution_runs_compiled_segments_within_tolerance(tmp_path, monkeypatch) -> None:
     # The whole path: the background compiler (a child process per segment) compiles while the
     # program co-executes; once every segment is checked, steps run compiled code and stay
-    # within the tolerance of eager's.
+    # within the tolerance of eager's. Closing the program lets the packages go, and with them
+    # the folders their loaders extracted them to (under $TMPDIR, read at each load).
+    tempfile.gettempdir()  # (Python's own choice made before TMPDIR changes)
+    extracted = tmp_path / "extracted"
+    extracted.mkdir()
+    monkeypatch.setenv("TMPDIR", str(extracted))
     torch.manual_seed(0)
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -400,5 +406,12 @@ def test_coexecution_runs_compiled_segments_within_tolerance() -> None:
     for p, q in zip(net.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
     segments = terra_torch.explain(wrapped).segments
-    assert [s for s in segments if s["state"] == "trusted"], segments
+    trusted = [s for s in segments if s["state"] == "trusted"]
+    assert trusted, segments
     assert sum(s["compiled_runs"] for s in segments) >= before + 30
+    assert len(list(extracted.glob("aotinductor_*"))) == len(trusted)
+
+    terra_torch.runtime.close_all()
+    assert list(extracted.glob("aotinductor_*")) == []
+    segments = terra_torch.explain(wrapped).segments
+    assert sum(s["reason"] == "the program was closed" for s in segments) == len(trusted), segments
