@@ -6,6 +6,7 @@
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
+#include "runtime/scalar_arithmetic.h"
 
 namespace terra::runtime {
 
@@ -266,7 +267,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
     capture::SuspendGuard no_interception;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the copies are ours, not the program's
     try {
-      op.callBoxed(&known);
+      if (!run_scalar_arithmetic(op, known)) op.callBoxed(&known);
     } catch (const std::exception&) {
       return;  // the graph's own run raises where eager would; the copies just stay unknown
     }

@@ -226,3 +226,40 @@ def test_a_batch_the_idle_graph_waits_for_is_sent_at_once():
     runner = check(step)
     assert runner["early_batches"] >= 1, runner
     assert runner["python_reads"] + runner["early_reads"] + runner["known_reads"] >= STEPS - 2 * WARMUP, runner
+
+
+def test_step_counters_advanced_in_place_are_known_bit_for_bit():
+    """Optimizers advance their step counters in place (`step_t += 1`) and read them at once.
+    Python follows such one-element ops on its copies without the dispatcher
+    (runtime/scalar_arithmetic.h): each dtype it takes, each op, Python numbers of both kinds
+    and of every magnitude, a same-dtype one-element operand, and an alpha it leaves to ATen.
+    Every read must be eager's value, answered without waiting for the graph."""
+    import random
+
+    rng = random.Random(11)
+    floats = [rng.choice([1.0, -0.1, 1e-8, 3.3e30, 7.0 / 3.0, -2.5e-39]) * rng.uniform(0.5, 2.0) for _ in range(STEPS)]
+    ints = [rng.choice([1, -3, 2**40, 7]) for _ in range(STEPS)]
+
+    def step(model, opt, state, i):
+        train_step(model, opt, DATA[i % 6], i)
+        if "f32" not in state:
+            state["f32"] = torch.tensor(0.75)
+            state["f64"] = torch.tensor(0.75, dtype=torch.float64)
+            state["i64"] = torch.tensor(5)
+            state["inc"] = torch.tensor(1.0 / 3.0)
+        f32, f64, i64 = state["f32"], state["f64"], state["i64"]
+        f32 += floats[i]
+        f32.sub_(ints[i] % 5)
+        f32.mul_(1.0 + floats[i] * 1e-9)
+        f32.add_(state["inc"])
+        f64 += floats[i]
+        f64 *= 1.0 / 3.0
+        f64.sub_(ints[i])
+        i64 += ints[i]
+        i64.mul_(3)
+        i64.sub_(1)
+        f32.add_(floats[i], alpha=2)  # not taken: ATen runs it
+        state["log"] += [f32.item(), f64.item(), i64.item()]
+
+    runner = check(step)
+    assert runner["known_reads"] >= 3 * (STEPS - 2 * WARMUP), runner

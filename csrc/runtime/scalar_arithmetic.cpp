@@ -1,0 +1,143 @@
+#include "runtime/scalar_arithmetic.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace terra::runtime {
+
+namespace {
+
+enum class Arith { kAdd, kSub, kMul };
+
+// The ops taken, by handle (an OperatorHandle compares by its entry; looked up once).
+std::optional<Arith> arith_of(const c10::OperatorHandle& op) {
+  struct Known {
+    c10::OperatorHandle handle;
+    Arith arith;
+  };
+  static const std::vector<Known> known = [] {
+    std::vector<Known> out;
+    auto add = [&](const char* name, const char* overload, Arith a) {
+      if (auto h = c10::Dispatcher::singleton().findOp({name, overload})) out.push_back({*h, a});
+    };
+    add("aten::add_", "Tensor", Arith::kAdd);
+    add("aten::add_", "Scalar", Arith::kAdd);
+    add("aten::sub_", "Tensor", Arith::kSub);
+    add("aten::sub_", "Scalar", Arith::kSub);
+    add("aten::mul_", "Tensor", Arith::kMul);
+    add("aten::mul_", "Scalar", Arith::kMul);
+    return out;
+  }();
+  for (const Known& k : known)
+    if (k.handle == op) return k.arith;
+  return std::nullopt;
+}
+
+bool one_element_cpu(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.layout() == c10::kStrided && t.numel() == 1 && t.has_storage() &&
+         !t.is_conj() && !t.is_neg() && !t.is_quantized() && t.data_ptr() != nullptr;
+}
+
+// A one-element tensor's value, read from its memory (item() would go through the dispatcher).
+std::optional<c10::Scalar> value_at(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return c10::Scalar(*t.const_data_ptr<double>());
+    case at::kFloat: return c10::Scalar(static_cast<double>(*t.const_data_ptr<float>()));
+    case at::kLong: return c10::Scalar(*t.const_data_ptr<int64_t>());
+    default: return std::nullopt;
+  }
+}
+
+// The other operand, where TensorIterator would convert it to self's dtype: a Python number (a
+// Scalar or a wrapped-number tensor) of a kind that does not promote self's dtype, or a
+// one-element tensor of self's dtype and shape.
+std::optional<c10::Scalar> other_operand(const at::Tensor& self, const c10::IValue& v) {
+  const bool integral_self = self.scalar_type() == at::kLong;
+  auto number = [&](const c10::Scalar& s) -> std::optional<c10::Scalar> {
+    if (!s.isFloatingPoint() && !s.isIntegral(/*includeBool=*/false)) return std::nullopt;  // bool, complex, symbolic
+    if (integral_self && !s.isIntegral(false)) return std::nullopt;  // int64 * 0.5 promotes: ATen refuses in place
+    return s;
+  };
+  if (v.isScalar()) return number(v.toScalar());
+  if (!v.isTensor()) return std::nullopt;
+  const at::Tensor& t = v.toTensor();
+  if (!one_element_cpu(t)) return std::nullopt;
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    const std::optional<c10::Scalar> s = value_at(t);
+    return s ? number(*s) : std::nullopt;
+  }
+  if (t.scalar_type() != self.scalar_type() || t.sizes() != self.sizes()) return std::nullopt;
+  return value_at(t);
+}
+
+// The number as TensorIterator casts it to T (static_cast, as c10::fetch_and_cast does).
+template <typename T>
+T cast_to(const c10::Scalar& s) {
+  return s.isIntegral(false) ? static_cast<T>(s.toLong()) : static_cast<T>(s.toDouble());
+}
+
+template <typename T>
+T apply(Arith a, T x, T y) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;  // wraps as the kernel's does, without signed overflow
+    const U ux = static_cast<U>(x), uy = static_cast<U>(y);
+    switch (a) {
+      case Arith::kAdd: return static_cast<T>(ux + uy);
+      case Arith::kSub: return static_cast<T>(ux - uy);
+      case Arith::kMul: return static_cast<T>(ux * uy);
+    }
+  } else {
+    switch (a) {
+      case Arith::kAdd: return x + y;
+      case Arith::kSub: return x - y;
+      case Arith::kMul: return x * y;
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
+bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  const std::optional<Arith> arith = arith_of(op);
+  if (!arith) return false;
+  const size_t nargs = op.schema().arguments().size();  // self, other[, alpha]
+  if (stack.size() != nargs || !stack[0].isTensor()) return false;
+  const at::Tensor& self = stack[0].toTensor();
+  const at::ScalarType dtype = self.scalar_type();
+  if (!one_element_cpu(self) || (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kLong)) return false;
+  if (nargs == 3) {
+    if (!stack[2].isScalar()) return false;
+    const c10::Scalar alpha = stack[2].toScalar();
+    // (An integral tensor refuses a floating alpha, even 1.0.)
+    const bool one = alpha.isIntegral(false) ? alpha.toLong() == 1 : alpha.isFloatingPoint() && dtype != at::kLong && alpha.toDouble() == 1.0;
+    if (!one) return false;
+  }
+  const std::optional<c10::Scalar> other = other_operand(self, stack[1]);
+  if (!other) return false;
+  switch (dtype) {
+    case at::kFloat: {
+      float* p = self.data_ptr<float>();
+      *p = apply(*arith, *p, cast_to<float>(*other));
+      break;
+    }
+    case at::kDouble: {
+      double* p = self.data_ptr<double>();
+      *p = apply(*arith, *p, cast_to<double>(*other));
+      break;
+    }
+    default: {
+      int64_t* p = self.data_ptr<int64_t>();
+      *p = apply(*arith, *p, cast_to<int64_t>(*other));
+      break;
+    }
+  }
+  at::Tensor out = self;
+  stack.clear();
+  stack.emplace_back(std::move(out));
+  return true;
+}
+
+}  // namespace terra::runtime

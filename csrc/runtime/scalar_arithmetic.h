@@ -1,0 +1,28 @@
+// One-element arithmetic without the dispatcher: how KnownValues::follow runs the in-place
+// add/sub/mul that advance an optimizer's step counter (`step_t += 1` in every single-tensor
+// torch.optim step) on its copy of the counter.
+//
+// Through the dispatcher (boxing, TensorIterator, the CPU kernel) that one-element op cost ~3 us
+// on the Python thread, 5% of a co-executed Adam MLP step (perf, benchmarks.coexec_profile).
+// Here it is a load, one IEEE operation and a store.
+//
+// Bit for bit ATen's: the result is computed in the tensor's own dtype (float, double or int64)
+// from the other operand converted to that dtype, as TensorIterator's type promotion does for a
+// Python number or a same-dtype tensor. With alpha == 1 ATen's `a + alpha * b` (fused or not) is
+// the single rounding of a + b, and a - b is a + (-1) * b. Integers wrap as the kernel's do.
+// Anything else (another alpha, dtype, device, layout or shape, a broadcast, a conjugate or
+// negative bit) is not taken: the caller runs the op as before.
+//
+//   stack: [self copy, other, (alpha)]  ->  [self copy]      (self's bytes updated)
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace terra::runtime {
+
+// Runs op on `stack` (arguments in, the returned self out) when it is one of the ops above on
+// operands it takes; false, the stack untouched, where it is not.
+bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+
+}  // namespace terra::runtime
