@@ -1,7 +1,6 @@
-// A private copy of a small dense CPU tensor without the dispatcher: a wrapped Python number kept
-// as an external input (capture/region.cpp) and a known value or recipe argument
-// (runtime/known_values.cpp) are a few bytes of CPU memory, and clone() through the dispatcher
-// cost more than the op whose argument was being copied.
+// A private copy of a small dense CPU tensor without the dispatcher: a known value or recipe
+// argument (runtime/known_values.cpp) is a few bytes of CPU memory, and clone() through the
+// dispatcher cost more than the op whose argument was being copied.
 #pragma once
 
 #include <ATen/EmptyTensor.h>
