@@ -80,11 +80,33 @@ std::vector<bool> written_inputs(const torch::jit::Graph& body) {
   return written;
 }
 
+// Whether no two elements of `t` share memory, proven from its sizes and strides: with the
+// dimensions of more than one element sorted by stride, each stride must step past every offset
+// the smaller ones reach, so that each element's offset has one set of indices. True for dense
+// tensors and their views (slices, chunks, transposes: an LSTM cell's gates, written in place
+// through unsafe_chunk, have gaps but no overlap); a layout it cannot prove counts as overlapping.
+bool no_internal_overlap(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return true;
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;  // no elements
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest offset the dimensions so far reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
 // The CallPlan of these inputs (fused_executor.h), or why compiled code cannot take them.
 std::variant<CallPlan, std::string> plan_of(const std::vector<at::Tensor>& inputs, const std::vector<bool>& written) {
   std::vector<std::pair<const c10::StorageImpl*, size_t>> by_storage;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (written[i] && !inputs[i].is_non_overlapping_and_dense())
+    // (A write into memory two elements share has no order compiled code could keep.)
+    if (written[i] && !no_internal_overlap(inputs[i]))
       return "input " + std::to_string(i) + " is written and overlaps itself";
     if (inputs[i].has_storage()) by_storage.emplace_back(inputs[i].storage().unsafeGetStorageImpl(), i);
   }

@@ -206,6 +206,34 @@ def test_an_input_that_is_a_strided_view_is_checked_on_its_own_strides() -> None
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
 
 
+def test_strided_views_written_in_place_are_compiled() -> None:
+    # An LSTM cell's gates: one matrix product, cut into four chunks (views with gaps between
+    # their rows, over one memory), each activated in place. The chunks are written inputs of
+    # the segment after the cut; they do not overlap, so compiled code takes them (over their
+    # shared memory, as a base and four views). Before, any written input that was not dense
+    # counted as overlapping itself, and every LSTM step's cell stayed interpreted.
+    g0 = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 8, generator=g0), torch.randn(8, 4 * 16, generator=g0)
+    cx = torch.randn(6, 16, generator=g0)
+
+    def cell() -> torch.Tensor:
+        i, f, c, o = (x @ w).unsafe_chunk(4, 1)
+        i.sigmoid_(), f.sigmoid_(), c.tanh_(), o.sigmoid_()
+        return o * (f * cx + i * c).tanh()
+
+    expected = cell()
+    rec = graph.record(cell)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    g.compile_segments()
+    for _ in range(3):  # the check, then compiled runs
+        torch.testing.assert_close(g.run(rec, mode="fused").outputs[0], expected, rtol=1e-3, atol=1e-5)
+    report = g.segments
+    assert not [s for s in report if "overlaps" in s["reason"]], report
+    written = [s for s in report if s["ops"] >= 4]  # the activations and what follows them
+    assert written and all(s["state"] == "trusted" and s["compiled_runs"] >= 2 for s in written), report
+
+
 def test_compiled_code_not_fast_enough_goes_back_to_the_interpreter(monkeypatch) -> None:
     # The speed trial: a trusted segment's next runs alternate compiled and interpreted code,
     # timed; compiled code that is not TERRA_FUSED_MIN_SPEEDUP times as fast (here an
