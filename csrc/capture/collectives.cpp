@@ -18,7 +18,7 @@ namespace terra::capture {
 
 bool is_collective(const c10::OperatorHandle& op) {
   const std::string& name = op.schema().name();
-  // (Asked several times per intercepted op; nearly all are aten:: ops.)
+  // (Asked for every intercepted op in co-execution; nearly all are aten:: ops.)
   if (name.empty() || (name[0] != 'c' && name[0] != '_')) return false;
   auto starts = [&](const char* ns) { return name.compare(0, std::strlen(ns), ns) == 0; };
   return starts("c10d::") || starts("_c10d_functional::") || starts("_c10d_functional_autograd::") ||

@@ -85,6 +85,7 @@ std::vector<bool> written_inputs(const torch::jit::Graph& body) {
 // the smaller ones reach, so that each element's offset has one set of indices. True for dense
 // tensors and their views (slices, chunks, transposes: an LSTM cell's gates, written in place
 // through unsafe_chunk, have gaps but no overlap); a layout it cannot prove counts as overlapping.
+// (at::has_internal_overlap answers "too hard" for every such view.)
 bool no_internal_overlap(const at::Tensor& t) {
   if (t.is_non_overlapping_and_dense()) return true;
   c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size)

@@ -98,6 +98,13 @@ T apply(Arith a, T x, T y) {
   return x;
 }
 
+// self = self (op) other, in self's memory.
+template <typename T>
+void update(const at::Tensor& self, Arith a, const c10::Scalar& other) {
+  T* p = self.data_ptr<T>();
+  *p = apply(a, *p, cast_to<T>(other));
+}
+
 }  // namespace
 
 bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
@@ -118,25 +125,13 @@ bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& sta
   const std::optional<c10::Scalar> other = other_operand(self, stack[1]);
   if (!other) return false;
   switch (dtype) {
-    case at::kFloat: {
-      float* p = self.data_ptr<float>();
-      *p = apply(*arith, *p, cast_to<float>(*other));
-      break;
-    }
-    case at::kDouble: {
-      double* p = self.data_ptr<double>();
-      *p = apply(*arith, *p, cast_to<double>(*other));
-      break;
-    }
-    default: {
-      int64_t* p = self.data_ptr<int64_t>();
-      *p = apply(*arith, *p, cast_to<int64_t>(*other));
-      break;
-    }
+    case at::kFloat: update<float>(self, *arith, *other); break;
+    case at::kDouble: update<double>(self, *arith, *other); break;
+    default: update<int64_t>(self, *arith, *other); break;
   }
-  at::Tensor out = self;
+  c10::IValue out = std::move(stack[0]);  // (the op returns self)
   stack.clear();
-  stack.emplace_back(std::move(out));
+  stack.push_back(std::move(out));
   return true;
 }
 

@@ -21,9 +21,8 @@ namespace terra::runtime {
 Session::~Session() {
   // A destructor must not throw (at interpreter exit that would terminate the process): a
   // runner whose graph failed is simply stopped.
-  if (!runner_) return;
   try {
-    runner_->shut_down();
+    shut_down();
   } catch (const std::exception& e) {
     TORCH_WARN("terra_torch: stopping a program's graph failed: ", e.what());
   }

@@ -269,7 +269,6 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
-
 // `v` with each defined tensor in it (a tensor, or the tensors of a list) replaced by f(tensor);
 // any other value as it is.
 template <typename F>

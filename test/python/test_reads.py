@@ -10,6 +10,7 @@ which way its reads went; each also writes a tensor the way that would make a sh
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import torch
@@ -234,8 +235,6 @@ def test_step_counters_advanced_in_place_are_known_bit_for_bit():
     (runtime/scalar_arithmetic.h): each dtype it takes, each op, Python numbers of both kinds
     and of every magnitude, a same-dtype one-element operand, and an alpha it leaves to ATen.
     Every read must be eager's value, answered without waiting for the graph."""
-    import random
-
     rng = random.Random(11)
     floats = [rng.choice([1.0, -0.1, 1e-8, 3.3e30, 7.0 / 3.0, -2.5e-39]) * rng.uniform(0.5, 2.0) for _ in range(STEPS)]
     ints = [rng.choice([1, -3, 2**40, 7]) for _ in range(STEPS)]
