@@ -7,7 +7,8 @@
 // GIL rules: every call that can block releases the GIL, and waits run in short slices so that
 // Ctrl-C (PyErr_CheckSignals) and timeouts work. Teardown of a GraphRunner joins its worker with
 // the GIL released; at interpreter exit an atexit hook shuts down every live runner while the
-// interpreter can still hand the GIL to the worker, and a runner destroyed later (during
+// interpreter can still hand the GIL to the worker (and then closes every FusedExecutor, so that
+// compiled packages' extracted folders are deleted), and a runner destroyed later (during
 // finalization) is abandoned (worker detached) instead of joined.
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/utils/pybind.h>
@@ -270,6 +271,7 @@ void shutdown_all_runners() {
     if (auto r = weak.lock()) runners.push_back(std::move(r));
   py::gil_scoped_release no_gil;
   for (const auto& r : runners) r->shutdown();
+  runtime::FusedExecutor::close_every_live();  // compiled packages' extracted folders go (fused_executor.h)
 }
 
 py::dict channel_stats(const ConcurrentChannel& c) {

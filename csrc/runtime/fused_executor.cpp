@@ -54,6 +54,17 @@ struct RunningScope {
   ~RunningScope() { t_running = saved; }
 };
 
+// Every FusedExecutor alive, for close_every_live() at exit. Leaked, so that it outlives the
+// executors static destructors might still free.
+struct LiveExecutors {
+  std::mutex mu;
+  std::vector<FusedExecutor*> executors;  // guarded by mu
+};
+LiveExecutors& live_executors() {
+  static auto* live = new LiveExecutors();
+  return *live;
+}
+
 std::vector<at::Tensor> segment_kernel(int64_t index, std::vector<at::Tensor> inputs) {
   TORCH_CHECK(t_running != nullptr, "terra_torch: terra::segment ran outside a FusedExecutor");
   return t_running->run_segment(static_cast<size_t>(index), std::move(inputs));
@@ -264,9 +275,22 @@ FusedExecutor::FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emi
   impl_->outer = std::make_shared<TorchScriptExecutor>(impl_->segmented.graph);
   impl_->inlined.assign(impl_->segmented.segments.size(), false);
   for (const emit::Segment& s : impl_->segmented.segments) impl_->segments.push_back(std::make_unique<SegmentState>(s));
+  LiveExecutors& live = live_executors();
+  std::lock_guard lock(live.mu);
+  live.executors.push_back(this);
 }
 
-FusedExecutor::~FusedExecutor() = default;
+FusedExecutor::~FusedExecutor() {
+  LiveExecutors& live = live_executors();
+  std::lock_guard lock(live.mu);  // (close_every_live() may be closing this one: it holds mu meanwhile)
+  live.executors.erase(std::find(live.executors.begin(), live.executors.end(), this));
+}
+
+void FusedExecutor::close_every_live() {
+  LiveExecutors& live = live_executors();
+  std::lock_guard lock(live.mu);  // lock order: live.mu, then an executor's mu (close())
+  for (FusedExecutor* e : live.executors) e->close();
+}
 
 std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
   RunningScope running(this);

@@ -27,7 +27,9 @@
 // Locking: mu_ guards every segment's state and which graph runs (the outer executor, swapped
 // when segments are inlined); run() holds it only to read or change them, never while a segment
 // or the graph runs (a rebuilt graph is made outside it), so the compiler's
-// next_request()/compiled() calls and a running graph never wait for each other's work.
+// next_request()/compiled() calls and a running graph never wait for each other's work. A
+// process-wide list of live executors (for close_every_live) has its own mutex, taken before an
+// executor's mu_, never after.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -140,6 +142,10 @@ class FusedExecutor final : public Executor {
   // each run left ~1.5 MB per segment in /tmp). Segments report "interpreted", the compiler gets
   // no more requests and a package it hands over later is not loaded.
   void close();
+  // close() on every FusedExecutor alive (at interpreter exit: python/runtime_bindings.cpp). A
+  // graph that Python still holds then (a `graph.build` result kept in a global or a reference
+  // cycle, a program never closed) is never destroyed, and its loaders' folders would stay.
+  static void close_every_live();
   std::vector<SegmentReport> report() const;
   const emit::SegmentedGraph& segmented() const;
   // Called by the terra::segment op's kernel on the thread running this executor.

@@ -10,6 +10,9 @@ Compiling costs about 20 s per segment on a 2-core machine, so only a few tests 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -443,3 +446,38 @@ def test_coexecution_runs_compiled_segments_within_tolerance(tmp_path, monkeypat
     assert list(extracted.glob("aotinductor_*")) == []
     segments = terra_torch.explain(wrapped).segments
     assert sum(s["reason"] == "the program was closed" for s in segments) == len(trusted), segments
+
+
+_HELD_AT_EXIT = '''
+import glob, os, sys, tempfile
+import torch
+from terra_torch import graph
+x, w = torch.randn(32, 32), torch.randn(32, 32)
+def step():
+    return ((x @ w) * 2 + 1).relu().sum()
+rec = graph.record(step)
+g = graph.build([rec])
+g.run(rec, mode="fused")
+g.compile_segments()
+g.run(rec, mode="fused")  # the check: trusted from now on
+held = [g]
+held.append(held)  # a reference cycle: nothing frees the graph before the process ends
+states = [s["state"] for s in g.segments]
+print(states.count("trusted"), len(glob.glob(os.path.join(tempfile.gettempdir(), "aotinductor_*"))))
+'''
+
+
+def test_compiled_packages_of_a_graph_held_at_exit_leave_no_folder(tmp_path) -> None:
+    # A graph Python still holds when the process ends is never destroyed, so its package
+    # loaders would keep the folders they extracted the packages to (one per compiled segment,
+    # ~1.5 MB). The exit hook closes every live FusedExecutor (FusedExecutor::close_every_live).
+    extracted = tmp_path / "extracted"
+    extracted.mkdir()
+    env = dict(os.environ, TMPDIR=str(extracted), TERRA_CACHE_DIR=str(tmp_path / "cache"),
+               TERRA_FUSED_MIN_SPEEDUP="0")
+    out = subprocess.run([sys.executable, "-c", _HELD_AT_EXIT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trusted, folders = map(int, out.stdout.split()[-2:])
+    assert trusted >= 1 and folders == trusted, out.stdout  # one folder per loaded package while it ran
+    assert list(extracted.glob("aotinductor_*")) == []
