@@ -43,15 +43,13 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   const trace::Match m = cursor_.step(key, loops_);
   if (!m.matched) return diverge(detail::op_name(rec) + " is not where the traced iterations had it", index);
   const trace::NodeId node = m.node;
-  if (!emitted_.unsupported.empty()) {
-    const auto refused = emitted_.unsupported.find(node);
-    if (refused != emitted_.unsupported.end()) {
-      at_unsupported_ = true;  // the graph stops here on every path through this node
-      return diverge("the graph cannot run " + detail::op_name(rec) + " (" + refused->second + ")", index);
-    }
+  const OpCheckPlan::Node& checks = check_plan_.node(node);
+  if (checks.unsupported != nullptr) {
+    at_unsupported_ = true;  // the graph stops here on every path through this node
+    return diverge("the graph cannot run " + detail::op_name(rec) + " (" + *checks.unsupported + ")", index);
   }
   path_ = trace::hash_combine(path_, node);
-  const bool emitted = node < emitted_.node_publishes.size() && emitted_.node_publishes[node] > 0;
+  const bool emitted = checks.emitted;
   const uint64_t here = copy_here(node);
 
   // The data flow must be the graph's too; checked for every input before anything is posted.
@@ -62,8 +60,9 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
     for (const capture::OpInput& in : rec.inputs) {
       if (emit::is_none_input(region.trace(), in)) continue;
       const uint32_t s = slot++;
-      const int64_t fslot = emitted_.feed_slot(node, s);
-      const emit::EmittedGraph::Selection* selection = selection_at(node, s, here);
+      const OpCheckPlan::Input& input = check_plan_.input(checks, s);
+      const int64_t fslot = input.feed;
+      const emit::EmittedGraph::Selection* selection = selection_at(input, here);
       if (in.value.is_external()) {
         if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
         const at::Tensor& t = region.external_tensors().at(in.value.external);
@@ -97,9 +96,9 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
           return diverge(detail::op_name(rec) + " reads a value produced by another op than the ones the graph picks among there",
                          index);
         plan_.push_back(decision(selection->site, j));
-      } else if (auto checked = emitted_.checked_reads.find(emit::EmittedGraph::key(node, s)); checked != emitted_.checked_reads.end()) {
-        const auto per_copy = checked->second.find(here);  // (a copy the emitter never saw: no read passes)
-        if (per_copy == checked->second.end() ||
+      } else if (input.checked != nullptr) {
+        const auto per_copy = input.checked->find(here);  // (a copy the emitter never saw: no read passes)
+        if (per_copy == input.checked->end() ||
             !reads_latest(per_copy->second, in.value.record, static_cast<uint32_t>(in.value.output)))
           return diverge(detail::op_name(rec) + " reads another value than the one the graph reads there", index);
       }
@@ -128,37 +127,31 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
   // Python scalars (floats, ints, bools, int lists): fed where they varied in the traces;
   // elsewhere they must equal the constant the graph has baked in (one that changes for the
   // first time is a divergence, and its trace makes the next graph feed it).
-  if (emitted) {
-    auto scalars = emitted_.node_scalars.find(node);
-    if (scalars != emitted_.node_scalars.end()) {
-      for (const auto& use : scalars->second) {
-        if (use.attribute >= rec.attributes.size())
+  if (emitted && checks.scalars != nullptr) {
+    for (const auto& use : *checks.scalars) {
+      if (use.attribute >= rec.attributes.size())
+        return diverge(detail::op_name(rec) + " received another kind of argument than in the traced iterations", index);
+      const c10::IValue& v = rec.attributes[use.attribute];
+      if (use.slot >= 0) {
+        if (!emit::scalar_bits(v, use.kind, bits_))
           return diverge(detail::op_name(rec) + " received another kind of argument than in the traced iterations", index);
-        const c10::IValue& v = rec.attributes[use.attribute];
-        if (use.slot >= 0) {
-          if (!emit::scalar_bits(v, use.kind, bits_))
-            return diverge(detail::op_name(rec) + " received another kind of argument than in the traced iterations", index);
-          if (emit::EmittedGraph::is_list(use.kind))
-            plan_.push_back(scalar_bits(use.slot, static_cast<int64_t>(bits_.size())));
-          for (const int64_t b : bits_) plan_.push_back(scalar_bits(use.slot, b));
-        } else if (!emit::scalar_equals(v, use.kind, use.constant)) {
-          return diverge(describe_scalar_change(rec, use, v), index);
-        }
+        if (emit::EmittedGraph::is_list(use.kind))
+          plan_.push_back(scalar_bits(use.slot, static_cast<int64_t>(bits_.size())));
+        for (const int64_t b : bits_) plan_.push_back(scalar_bits(use.slot, b));
+      } else if (!emit::scalar_equals(v, use.kind, use.constant)) {
+        return diverge(describe_scalar_change(rec, use, v), index);
       }
     }
   }
 
-  if (emitted && !emitted_.node_generators.empty()) {
-    auto generators = emitted_.node_generators.find(node);
-    if (generators != emitted_.node_generators.end()) {
-      for (const auto& [attribute, impl] : generators->second)
-        if (attribute >= rec.attributes.size() || !rec.attributes[attribute].isGenerator() ||
-            rec.attributes[attribute].toGenerator().unsafeGetGeneratorImpl() != impl)
-          return diverge(detail::op_name(rec) + " draws from another torch.Generator than the one the graph draws from", index);
-    }
+  if (emitted && checks.generators != nullptr) {
+    for (const auto& [attribute, impl] : *checks.generators)
+      if (attribute >= rec.attributes.size() || !rec.attributes[attribute].isGenerator() ||
+          rec.attributes[attribute].toGenerator().unsafeGetGeneratorImpl() != impl)
+        return diverge(detail::op_name(rec) + " draws from another torch.Generator than the one the graph draws from", index);
   }
 
-  if (emitted && emitted_.node_gated[node]) plan_.push_back(gate(node));
+  if (emitted && checks.gated) plan_.push_back(gate(node));
   if (recording_) record_step(region, key, node, host || needs_data);
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
@@ -243,12 +236,10 @@ bool PythonRunner::reads_latest(const std::vector<emit::EmittedGraph::ReadProduc
   return member && last == record;
 }
 
-const emit::EmittedGraph::Selection* PythonRunner::selection_at(trace::NodeId node, uint32_t slot, uint64_t copy) const {
-  if (emitted_.selected_reads.empty()) return nullptr;
-  const auto it = emitted_.selected_reads.find(emit::EmittedGraph::key(node, slot));
-  if (it == emitted_.selected_reads.end()) return nullptr;
-  const auto c = it->second.find(copy);
-  return c == it->second.end() ? nullptr : &c->second;
+const emit::EmittedGraph::Selection* PythonRunner::selection_at(const OpCheckPlan::Input& input, uint64_t copy) {
+  if (input.selected == nullptr) return nullptr;
+  const auto c = input.selected->find(copy);
+  return c == input.selected->end() ? nullptr : &c->second;
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {

@@ -55,6 +55,7 @@ PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program&
       node_frames_(node_frames),
       structured_(structured),
       emitted_(emitted),
+      check_plan_(emitted),
       drive_(drive),
       channel_(std::make_shared<ConcurrentChannel>()),
       values_(std::make_shared<ValueTable>()),

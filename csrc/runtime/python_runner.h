@@ -29,6 +29,7 @@
 #include "runtime/channels.h"
 #include "runtime/graph_runner.h"
 #include "runtime/known_values.h"
+#include "runtime/op_check_plan.h"
 #include "runtime/value_table.h"
 #include "trace/cursor.h"
 #include "trace/hash.h"
@@ -191,8 +192,8 @@ class PythonRunner final : public capture::CoExecHook {
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
-  // The selection the graph makes at input `slot` of `node` for the cursor's copy, if any.
-  const emit::EmittedGraph::Selection* selection_at(trace::NodeId node, uint32_t slot, uint64_t copy) const;
+  // The selection the graph makes at `input` for the cursor's copy, if any.
+  static const emit::EmittedGraph::Selection* selection_at(const OpCheckPlan::Input& input, uint64_t copy);
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
   // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().
@@ -216,6 +217,7 @@ class PythonRunner final : public capture::CoExecHook {
   const std::vector<std::vector<std::string>>* node_frames_;
   const trace::Program& structured_;
   const emit::EmittedGraph& emitted_;
+  const OpCheckPlan check_plan_;  // what validate() asks of emitted_, per node and input
   const Drive drive_;
   std::shared_ptr<ConcurrentChannel> channel_;
   std::shared_ptr<ValueTable> values_;

@@ -1,0 +1,65 @@
+// What the per-op check (runtime/op_check.cpp) asks of the emitted graph about one TraceGraph
+// node and each of its inputs, gathered once per graph into flat arrays: a read-only plan,
+// apart from the PythonRunner's per-iteration state.
+//
+// The emitter hands its facts over as hash maps keyed by node or by (node, input)
+// (emit/emitted_graph.h), which is the right shape for building them. The check asked four to
+// six of those maps per op (an unordered_map find hashes, divides by the bucket count and
+// follows a chain); here one index gives the node's entry and one more each input's.
+//
+// Example: node 12 reads a parameter (input 1, fed through feed slot 3) and a value the graph
+// computed (input 0, a checked read), and takes a Python float that varied in the traces:
+//
+//   plan.node(12) = {emitted, not gated, scalars -> [ScalarUse{attribute 0, slot 5, kFloat}], ...}
+//   plan.input(plan.node(12), 0) = {feed -1, checked -> {copy -> producers}, selected none}
+//   plan.input(plan.node(12), 1) = {feed 3, ...}
+//   plan.input(plan.node(12), 7) = {feed -1, none, none}  (beyond the inputs the tables name)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "emit/emitted_graph.h"
+#include "trace/node.h"
+
+namespace terra::runtime {
+
+class OpCheckPlan {
+ public:
+  using CheckedRead = std::unordered_map<uint64_t, std::vector<emit::EmittedGraph::ReadProducer>>;  // per copy
+  using SelectedRead = std::unordered_map<uint64_t, emit::EmittedGraph::Selection>;                  // per copy
+
+  struct Input {
+    int64_t feed = -1;                      // the feed slot of this input (EmittedGraph::feed_slot)
+    const CheckedRead* checked = nullptr;   // EmittedGraph::checked_reads of this input, if any
+    const SelectedRead* selected = nullptr; // EmittedGraph::selected_reads of this input, if any
+  };
+  struct Node {
+    bool emitted = false;  // the graph has the node (it publishes an output or is a side effect)
+    bool gated = false;    // Python posts its gate (EmittedGraph::node_gated)
+    const std::string* unsupported = nullptr;  // why the graph cannot run it (EmittedGraph::unsupported)
+    const std::vector<emit::EmittedGraph::ScalarUse>* scalars = nullptr;
+    const std::vector<std::pair<uint32_t, const void*>>* generators = nullptr;
+    uint32_t first_input = 0;  // its inputs in inputs_
+    uint32_t num_inputs = 0;
+  };
+
+  // `emitted` must outlive the plan (its maps' entries are pointed to).
+  explicit OpCheckPlan(const emit::EmittedGraph& emitted);
+
+  const Node& node(trace::NodeId n) const { return n < nodes_.size() ? nodes_[n] : kNone; }
+  const Input& input(const Node& node, uint32_t slot) const {
+    return slot < node.num_inputs ? inputs_[node.first_input + slot] : kNoInput;
+  }
+
+ private:
+  static const Node kNone;
+  static const Input kNoInput;
+  std::vector<Node> nodes_;
+  std::vector<Input> inputs_;
+};
+
+}  // namespace terra::runtime
