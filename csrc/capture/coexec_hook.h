@@ -28,15 +28,23 @@ class CoExecHook {
   };
   virtual ~CoExecHook() = default;
 
-  // `rec` has its inputs, attributes, location and loops. `num_outputs`: tensors the op returns
-  // (lists flattened). `needs_data`: the op cannot run on placeholders (it reads values or has
-  // a data-dependent shape). `host`: it takes and gives no tensors.
+  // The question asked of an op that runs on placeholders (neither host nor needing data): does
+  // it match the graph? `rec` has its inputs, attributes, location and loops; `num_outputs`: the
+  // tensors it returns (lists flattened). kPlaceholder: return placeholders, then report them with
+  // outputs(). kDiverged: run it for real. (The runtime takes the values it knows of its
+  // arguments first, runtime/known_values.h: the graph may write their memory once the op is
+  // posted.)
+  virtual Verdict admit(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
+                        size_t num_outputs) = 0;
+  // An op that runs for real because it needs data (`needs_data`: it reads values or has a
+  // data-dependent shape; `host`: it takes and gives no tensors), after it ran: does it match?
   virtual Verdict validate(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
                            size_t num_outputs, bool needs_data, bool host) = 0;
   // Before an op that needs data runs for real (ahead of validate(), so that an op raising in
   // the user's program leaves no step of the graph behind): give its inputs their values.
   virtual void materialize_inputs(c10::ArrayRef<c10::IValue> args) = 0;
-  // The outputs of a matched op, flattened (undefined where the op returned none).
+  // The outputs of a matched op, flattened (undefined where the op returned none). After admit(),
+  // the values Python knew of its arguments are followed to them.
   virtual void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) = 0;
 
   // Errors only the data can raise (capture/value_checks.h). Whether the op `rec`, not flagged
@@ -51,21 +59,11 @@ class CoExecHook {
   // The op at record `index` cannot be co-executed (`why`): a divergence there.
   virtual void refuse(int32_t index, std::string why) = 0;
 
-  // Values Python knows itself (runtime/known_values.h). `out`: `args` with every tensor replaced
-  // by its known value; false if some tensor has none. A read (`read`: the op needs data) whose
-  // arguments are all known runs on them instead of waiting for the graph. Asked before
-  // validate() posts the op: a fresh tensor is read from its memory, which the graph writes once
-  // the op's gate is posted.
-  virtual bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
-                               torch::jit::Stack& out) = 0;
-  // After an op answered with placeholders whose arguments were all known (`known`): its outputs'
-  // values follow from them.
-  virtual void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
-                            c10::ArrayRef<at::Tensor> outputs) = 0;
-  // An op answered with placeholders that Python could not follow: the known values of the
-  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
-  // its tensors' versions from inside, where co-execution never runs it).
-  virtual void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) = 0;
+  // A read Python may answer itself (runtime/known_values.h): `out` is `args` with every tensor
+  // replaced by its known value; false if some tensor has none. Then the op runs on them instead
+  // of waiting for the graph.
+  virtual bool known_read_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                    torch::jit::Stack& out) = 0;
 };
 
 }  // namespace terra::capture

@@ -489,7 +489,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     torch::jit::Stack known;
     if (needs_data) {
       rec.needs_materialization = true;
-      if (hook_->known_arguments(op, args, true, known)) {
+      if (hook_->known_read_arguments(op, args, known)) {
         // Python knows every input's value: the op reads those, not the graph's (no wait).
         for (size_t i = 0; i < known.size(); ++i) (*stack)[stack->size() - known.size() + i] = known[i];
       } else {
@@ -515,20 +515,12 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     check_first(op, ks, rec, index, args);  // returns only if the op would not raise
   size_t num_outputs = 0;
   for (const ReturnSpec& r : inferred->returns) num_outputs += r.tensors.size();
-  // The known arguments are taken before validate(): a fresh tensor's value is read from its
-  // memory, which the graph may write as soon as validate() has posted this op's gate (Adam's
-  // `step_t += 1` then read one step ahead, under load). Also before the arguments leave the stack.
-  torch::jit::Stack known;
-  const bool follows = hook_->known_arguments(op, args, false, known);
-  if (hook_->validate(*this, rec, index, args, num_outputs, false, false) == CoExecHook::Verdict::kDiverged) {
+  if (hook_->admit(*this, rec, index, args, num_outputs) == CoExecHook::Verdict::kDiverged) {
     mode_ = Mode::Record;
     return false;
   }
-  if (!follows) hook_->forget_written(op, args);
   run_placeholder(op, *inferred, rec, index, args, stack);
-  const c10::SmallVector<at::Tensor, 4> outputs = flatten();
-  hook_->outputs(index, outputs);
-  if (follows) hook_->follow_known(op, known, outputs);
+  hook_->outputs(index, flatten());
   return true;
 }
 

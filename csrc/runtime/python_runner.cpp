@@ -194,38 +194,54 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   }
 }
 
-bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
-                                   torch::jit::Stack& out) {
+PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
+                                          c10::ArrayRef<c10::IValue> args, size_t num_outputs) {
+  // The known arguments are taken before validate(): a fresh tensor's value is read from its
+  // memory, which the graph may write as soon as validate() has posted this op's gate (Adam's
+  // `step_t += 1` then read one step ahead, under load).
+  follow_index_ = -1;
+  const bool follows = known_arguments(rec.op, args);
+  const Verdict verdict = validate(region, rec, index, args, num_outputs, false, false);
+  if (verdict == Verdict::kDiverged) return verdict;
+  if (follows) {
+    follow_index_ = index;
+    follow_op_ = rec.op;
+  } else {
+    forget_written(rec.op, args);
+  }
+  return verdict;
+}
+
+bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                        torch::jit::Stack& out) {
   known_.drop_planned();
-  // Never a collective: followed (or kept as a recipe for a read), it would run a second time
-  // on this thread, and the other ranks would see it twice (a DDP run waited 30 s for a recv).
+  // Never a collective: kept as a recipe for a read, it would run a second time on this thread,
+  // and the other ranks would see it twice (a DDP run waited 30 s for a recv).
   if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
   known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
-  if (read) {
-    auto published = [this](int64_t index) -> std::optional<at::Tensor> {
-      wait_for_graph(index + 1);
-      return values_->value(index);
-    };
-    const KnownValues::GraphValues graph{link, published};
-    if (!known_.substitute(args, out, &graph)) return false;
-    ++stats_.known_reads;
-    return true;
-  }
-  if (!known_.substitute(args, out)) {
-    known_.plan_recipe(op, args, link);  // (kept by outputs() if its one output is small)
-    return false;
-  }
-  // The tensors it writes, for follow_known (the arguments are gone from the stack by then).
-  known_written_.clear();
-  capture::for_each_written(op, args, [&](const at::Tensor& t) { known_written_.push_back(t); });
+  auto published = [this](int64_t index) -> std::optional<at::Tensor> {
+    wait_for_graph(index + 1);
+    return values_->value(index);
+  };
+  const KnownValues::GraphValues graph{link, published};
+  if (!known_.substitute(args, out, &graph)) return false;
+  ++stats_.known_reads;
   return true;
 }
 
-void PythonRunner::follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known,
-                                c10::ArrayRef<at::Tensor> outputs) {
-  known_.follow(op, known, known_written_, outputs);
+bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  known_.drop_planned();
+  // Never a collective: followed, it would run a second time on this thread (see above).
+  if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
+  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
+  if (!known_.substitute(args, known_args_)) {
+    known_.plan_recipe(op, args, [this](const at::Tensor& t) { return linked_index(t); });  // (kept by outputs() if its one output is small)
+    return false;
+  }
   known_written_.clear();
+  capture::for_each_written(op, args, [&](const at::Tensor& t) { known_written_.push_back(t); });
+  return true;
 }
 
 void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
@@ -234,6 +250,14 @@ void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
+  claim_outputs(index, outputs);
+  if (follow_index_ != index) return;  // (-1, or a stale one: an admitted op that raised before its outputs)
+  follow_index_ = -1;
+  known_.follow(*follow_op_, known_args_, known_written_, outputs);
+  known_written_.clear();
+}
+
+void PythonRunner::claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   known_.keep_recipe(outputs);
   const trace::NodeId node = record_nodes_.at(index);
   const uint32_t count = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;

@@ -131,16 +131,16 @@ class PythonRunner final : public capture::CoExecHook {
   size_t table_size() const { return values_->size(); }
 
   // ---- capture::CoExecHook ----
+  Verdict admit(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
+                c10::ArrayRef<c10::IValue> args, size_t num_outputs) override;
   Verdict validate(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
                    c10::ArrayRef<c10::IValue> args, size_t num_outputs, bool needs_data, bool host) override;
   void materialize_inputs(c10::ArrayRef<c10::IValue> args) override;
   void outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) override;
   bool check_first(const capture::OpRecord& rec) override;
   Verdict check_raised(const capture::Region& region, const capture::OpRecord& rec, int32_t index) override;
-  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, bool read,
-                       torch::jit::Stack& out) override;
-  void follow_known(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> outputs) override;
-  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) override;
+  bool known_read_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                            torch::jit::Stack& out) override;
   void refuse(int32_t index, std::string why) override {
     if (!diverged_) diverge(std::move(why), index);
   }
@@ -289,7 +289,21 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
   KnownValues known_;
-  c10::SmallVector<at::Tensor, 4> known_written_;  // between known_arguments and follow_known
+  // An admitted op whose arguments Python knew (admit -> outputs): its record, the known values
+  // and the tensors it writes (the arguments are gone from the stack by then).
+  int32_t follow_index_ = -1;
+  std::optional<c10::OperatorHandle> follow_op_;
+  torch::jit::Stack known_args_;
+  c10::SmallVector<at::Tensor, 4> known_written_;
+  // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
+  // planned for its output instead).
+  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  // An op answered with placeholders that Python could not follow: the known values of the
+  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
+  // its tensors' versions from inside, where co-execution never runs it).
+  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  // outputs() without the known values: the value-table claims and links of the outputs.
+  void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
   const bool known_values_enabled_ = !common::switched_off("TERRA_KNOWN_VALUES");
   // synchronize(true) ran: the next begin_iteration() takes the known copies again from memory
