@@ -199,13 +199,12 @@ PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const c
   // The known arguments are taken before validate(): a fresh tensor's value is read from its
   // memory, which the graph may write as soon as validate() has posted this op's gate (Adam's
   // `step_t += 1` then read one step ahead, under load).
-  follow_index_ = -1;
+  follow_.reset();
   const bool follows = known_arguments(rec.op, args);
   const Verdict verdict = validate(region, rec, index, args, num_outputs, false, false);
   if (verdict == Verdict::kDiverged) return verdict;
   if (follows) {
-    follow_index_ = index;
-    follow_op_ = rec.op;
+    follow_ = Follow{index, rec.op};
   } else {
     forget_written(rec.op, args);
   }
@@ -251,9 +250,9 @@ void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   claim_outputs(index, outputs);
-  if (follow_index_ != index) return;  // (-1, or a stale one: an admitted op that raised before its outputs)
-  follow_index_ = -1;
-  known_.follow(*follow_op_, known_args_, known_written_, outputs);
+  if (!follow_ || follow_->index != index) return;  // (a stale one: an admitted op that raised before its outputs)
+  known_.follow(follow_->op, known_args_, known_written_, outputs);
+  follow_.reset();
   known_written_.clear();
 }
 

@@ -192,6 +192,15 @@ class PythonRunner final : public capture::CoExecHook {
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
+  // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
+  // planned for its output instead).
+  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  // An op answered with placeholders that Python could not follow: the known values of the
+  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
+  // its tensors' versions from inside, where co-execution never runs it).
+  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  // outputs() without the known values: the value-table claims and links of the outputs.
+  void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   // The selection the graph makes at `input` for the cursor's copy, if any.
   static const emit::EmittedGraph::Selection* selection_at(const OpCheckPlan::Input& input, uint64_t copy);
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
@@ -289,21 +298,16 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
   KnownValues known_;
-  // An admitted op whose arguments Python knew (admit -> outputs): its record, the known values
-  // and the tensors it writes (the arguments are gone from the stack by then).
-  int32_t follow_index_ = -1;
-  std::optional<c10::OperatorHandle> follow_op_;
+  // An admitted op whose arguments Python knew (admit -> outputs, which follows them to the op's
+  // outputs): its record and operator. Its known values are in known_args_, the tensors it writes
+  // in known_written_ (the arguments are gone from the stack by then).
+  struct Follow {
+    int32_t index;
+    c10::OperatorHandle op;
+  };
+  std::optional<Follow> follow_;
   torch::jit::Stack known_args_;
   c10::SmallVector<at::Tensor, 4> known_written_;
-  // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
-  // planned for its output instead).
-  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
-  // An op answered with placeholders that Python could not follow: the known values of the
-  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
-  // its tensors' versions from inside, where co-execution never runs it).
-  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
-  // outputs() without the known values: the value-table claims and links of the outputs.
-  void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).
   const bool known_values_enabled_ = !common::switched_off("TERRA_KNOWN_VALUES");
   // synchronize(true) ran: the next begin_iteration() takes the known copies again from memory
