@@ -4,6 +4,7 @@
 // "does this case hold v" is an interval test.
 #include "trace/decision_table.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -20,7 +21,10 @@ class DecisionTable {
   void build() {
     number_blocks();
     std::vector<Decision> scratch;
+    p_.out_begin.assign(g_.num_nodes() + 1, 0);
+    p_.out_edges.clear();
     for (NodeId u = 0; u < g_.num_nodes(); ++u) {
+      p_.out_begin[u] = static_cast<uint32_t>(p_.out_edges.size());
       const Node& n = g_.node(u);
       if (n.kind == NodeKind::kEnd) continue;
       const bool leaves_block =
@@ -31,9 +35,14 @@ class DecisionTable {
         const Transition t{v, static_cast<uint32_t>(p_.decision_pool.size()),
                            static_cast<uint32_t>(scratch.size())};
         p_.decision_pool.insert(p_.decision_pool.end(), scratch.begin(), scratch.end());
-        p_.transitions.emplace(EdgeKey{u, g_.node(v).match_key()}, t);
+        const MatchKey key = g_.node(v).match_key();
+        p_.out_edges.push_back(OutEdge{hash_of(key), key, t});
       }
+      // (Program::transition stops at the first larger hash)
+      std::sort(p_.out_edges.begin() + p_.out_begin[u], p_.out_edges.end(),
+                [](const OutEdge& a, const OutEdge& b) { return a.hash < b.hash; });
     }
+    p_.out_begin[g_.num_nodes()] = static_cast<uint32_t>(p_.out_edges.size());
   }
 
  private:

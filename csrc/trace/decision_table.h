@@ -8,7 +8,7 @@
 
 namespace terra::trace {
 
-// Fills program.transitions and program.decision_pool from the finished program tree.
+// Fills program.out_begin, program.out_edges and program.decision_pool from the finished program tree.
 void build_decision_table(const TraceGraph& graph, const BlockGraph& blocks, Program& program);
 
 }  // namespace terra::trace

@@ -1,5 +1,5 @@
 // The picture draws the TraceGraph's own edges rather than the Program tree: the graph is what
-// was recorded, and every edge maps to the decisions it implies (Program::transitions), so the
+// was recorded, and every edge maps to the decisions it implies (Program::transition), so the
 // switches and their cases can be labelled on the edges without re-deriving the structure. Loop
 // nodes are replaced by clusters because a loop "node" with a hidden body is the part a reader
 // most wants to open.
