@@ -16,14 +16,18 @@ namespace terra::capture {
 
 namespace {
 
-c10::Storage dataless_storage(const TensorMeta& meta) {
+// Bytes from the storage's start to the end of the last element `meta` reaches.
+size_t extent_bytes(const TensorMeta& meta) {
   int64_t extent = meta.storage_offset + 1;
   for (size_t i = 0; i < meta.sizes.size(); ++i) {
     if (meta.sizes[i] == 0) { extent = meta.storage_offset; break; }
     extent += (meta.sizes[i] - 1) * meta.strides[i];
   }
-  size_t nbytes = static_cast<size_t>(extent) * c10::elementSize(meta.dtype);
-  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::DataPtr(nullptr, meta.device),
+  return static_cast<size_t>(extent) * c10::elementSize(meta.dtype);
+}
+
+c10::Storage dataless_storage(const TensorMeta& meta) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), extent_bytes(meta), c10::DataPtr(nullptr, meta.device),
                       /*allocator=*/nullptr, /*resizable=*/false);
 }
 
@@ -60,6 +64,13 @@ PlaceholderImpl::PlaceholderImpl(c10::Storage storage, const TensorMeta& meta,
 
 void PlaceholderImpl::set_meta(const TensorMeta& meta) {
   set_sizes_and_strides(meta.sizes, meta.strides, meta.storage_offset);
+}
+
+void PlaceholderImpl::restride(const TensorMeta& meta) {
+  c10::StorageImpl* storage = storage_.unsafeGetStorageImpl();
+  // (a dataless storage: bind() allocates nbytes() when the first alias gets its value)
+  if (storage->data() == nullptr && extent_bytes(meta) > storage->nbytes()) storage->set_nbytes(extent_bytes(meta));
+  set_meta(meta);
 }
 
 const char* PlaceholderImpl::tensorimpl_type_name() const { return message_for(producer_); }
@@ -159,6 +170,12 @@ at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
   const c10::OperatorHandle& origin = base_placeholder ? base_placeholder->producer() : producer;
   return at::Tensor(
       c10::make_intrusive<PlaceholderImpl>(base.unsafeGetTensorImpl()->unsafe_storage(), meta, origin));
+}
+
+void restride_placeholder(const at::Tensor& placeholder, const TensorMeta& meta) {
+  auto* impl = dynamic_cast<PlaceholderImpl*>(placeholder.unsafeGetTensorImpl());
+  TORCH_CHECK(impl != nullptr && !impl->is_bound(), "terra_torch: restride_placeholder needs a placeholder without a value");
+  impl->restride(meta);
 }
 
 TensorMeta meta_of(const c10::TensorImpl& t) {

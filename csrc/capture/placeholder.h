@@ -32,6 +32,8 @@ class PlaceholderImpl : public c10::TensorImpl {
   // but still carries our key: make it an ordinary tensor too. False if the storage has no data.
   bool adopt();
   bool is_bound() const { return !key_set_.has_backend(kTerraBackendBitForPlaceholders); }
+  // See restride_placeholder.
+  void restride(const TensorMeta& meta);
   const char* tensorimpl_type_name() const override;
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
@@ -55,6 +57,9 @@ void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value);
 at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);
 at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
                                  const c10::OperatorHandle& producer);
+// An in-place op changed `placeholder`'s metadata (transpose_, as_strided_, resize_): it takes
+// `meta`'s sizes, strides and offset; its dataless storage grows if the new extent needs more.
+void restride_placeholder(const at::Tensor& placeholder, const TensorMeta& meta);
 TensorMeta meta_of(const c10::TensorImpl& t);
 // An undefined tensor (a gradient nobody needs) has dtype Undefined and nothing else.
 inline TensorMeta meta_of(const at::Tensor& t) { return t.defined() ? meta_of(*t.unsafeGetTensorImpl()) : TensorMeta{}; }
