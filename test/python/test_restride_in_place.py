@@ -1,0 +1,164 @@
+"""In-place ops that change a tensor's sizes or strides (transpose_, t_, unsqueeze_, squeeze_,
+as_strided_) under co-execution.
+
+nn.GRU and nn.LSTM with batch_first=True end with one: aten's RNN code runs time-major and turns
+its output back with `output.transpose_(0, 1)` (aten/src/ATen/native/RNN.cpp). On a placeholder the
+new metadata must show at once (the next op's shapes follow from it); before this was handled,
+the first co-executed iteration returned a (seq, batch, hidden) tensor from a batch-first GRU and
+the graph's value could not be bound to it. On a tensor that already has its value (a parameter,
+the caller's input) the op runs for real instead, after the graph has finished what Python
+validated: the graph holds the same tensor and would apply it a second time.
+
+Each program trains 50+ iterations under terra_torch.wrap and eagerly from the same seed; losses,
+parameters and output shapes must match bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import terra_torch
+from terra_torch import runtime
+
+STEPS = 60
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    yield
+    runtime.close_all()
+
+
+def _train(terra: bool, make, step):
+    torch.manual_seed(0)
+    model, opt = make()
+    if terra:
+        model = terra_torch.wrap(model)
+    log = [step(model, opt, i) for i in range(STEPS)]
+    info = None
+    if terra:
+        terra_torch.synchronize()
+        info = (terra_torch.stats(model), list(model._terra_program.fallbacks))
+        terra_torch.unwrap(model)
+    return log, [p.detach().clone() for p in model.parameters()], info
+
+
+def _check_bitwise(make, step):
+    la, pa, _ = _train(False, make, step)
+    lb, pb, (st, fallbacks) = _train(True, make, step)
+    assert [shape for _, shape in la] == [shape for _, shape in lb]
+    assert [loss for loss, _ in la] == [loss for loss, _ in lb]
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    return st, fallbacks
+
+
+def _rnn_program(kind: str, lengths: tuple[int, ...]):
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, n, 6, generator=g), torch.randn(4, 1, generator=g)) for n in lengths]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = getattr(nn, kind)(6, 8, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            out, _ = self.rnn(x)  # (batch, seq, hidden): aten ends with out.transpose_(0, 1)
+            return self.head(out[:, -1]), out
+
+    def make():
+        m = Net()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def step(model, opt, i):
+        x, y = batches[i % len(batches)]
+        pred, out = model(x)
+        loss = F.mse_loss(pred, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), tuple(out.shape)
+
+    return make, step
+
+
+@pytest.mark.parametrize("kind,lengths", [("GRU", (7,)), ("LSTM", (7,)), ("GRU", (5, 9, 13)), ("LSTM", (9, 5))])
+def test_batch_first_recurrent_layers_co_execute_bitwise(kind, lengths):
+    make, step = _rnn_program(kind, lengths)
+    st, fallbacks = _check_bitwise(make, step)
+    # (tracing takes an iteration or two per length; the rest co-executes without falling back)
+    assert st.iterations["coexec"] >= STEPS - 4 * len(lengths), (st.iterations, [f.reason for f in fallbacks])
+    assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
+
+
+def test_restrides_of_placeholders_co_execute_bitwise():
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(6, 4, generator=g), torch.randn(5, 6, generator=g)) for _ in range(3)]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h = self.lin(x)      # (6, 5)
+            h = h * 1.5          # a placeholder the next ops restride in place
+            h.t_()               # (5, 6)
+            h.unsqueeze_(0)      # (1, 5, 6)
+            h.transpose_(0, 2)   # (6, 5, 1)
+            h.squeeze_(2)        # (6, 5)
+            h.swapdims_(0, 1)    # (5, 6)
+            return h.relu()
+
+    def make():
+        m = Net()
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x, y = data[i % len(data)]
+        out = model(x)
+        loss = F.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), (tuple(out.shape), out.stride())
+
+    st, fallbacks = _check_bitwise(make, step)
+    assert st.iterations["coexec"] >= STEPS - 4, st.iterations
+    assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
+
+
+def test_restride_of_a_tensor_with_its_value_runs_for_real():
+    g = torch.Generator().manual_seed(6)
+    base = [torch.randn(8, 4, generator=g) for _ in range(3)]
+    shapes_after_call = {}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            x.unsqueeze_(0)  # the caller's own tensor: its shape changes for the caller too
+            return self.lin(x).sum(0)
+
+    def make():
+        m = Net()
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x = base[i % len(base)].clone()  # a tensor with its value, made outside the model
+        loss = model(x).pow(2).mean()
+        shapes_after_call.setdefault(i, []).append(tuple(x.shape))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), tuple(x.shape)
+
+    st, fallbacks = _check_bitwise(make, step)
+    assert all(s == [(1, 8, 4), (1, 8, 4)] for s in shapes_after_call.values())
+    # Each co-executed iteration stops at the op and runs the rest for real, with the reason.
+    reasons = [f.reason for f in fallbacks]
+    assert reasons and all("changes the sizes or strides" in r for r in reasons), reasons
