@@ -13,6 +13,7 @@
 
 #include "capture/coexec_hook.h"
 #include "capture/collectives.h"
+#include "capture/grad_mode_kernels.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
@@ -415,6 +416,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   }
   gil.release();
   rec.checked = guarded && checks_argument_values(op);
+  fold_grad_mode(op, stack->data() + stack->size() - nargs);  // (capture/grad_mode_kernels.h)
   c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 

@@ -148,13 +148,6 @@ bool has_side_effect(const c10::OperatorHandle& op) {
   return capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded) || capture::is_collective(op);
 }
 
-bool needs_grad_mode(const c10::OperatorHandle& op) {
-  // (Its outputs are bit for bit the same either way; with GradMode on it also fills the
-  // workspace. Under the user's torch.no_grad() eager skips that work and the graph does not.)
-  const c10::OperatorName& name = op.operator_name();
-  return name.name == "aten::mkldnn_rnn_layer" && name.overload_name.empty();
-}
-
 uint64_t operator_id(const c10::OperatorName& name) {
   uint64_t h = fnv1a(name.name);
   return fnv1a(name.overload_name, fnv1a(".", h));

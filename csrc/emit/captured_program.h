@@ -153,12 +153,6 @@ bool is_read_op(const c10::FunctionSchema& schema);
 // run before Python has validated it (a later divergence could not undo it).
 bool has_side_effect(const c10::OperatorHandle& op);
 
-// Its kernel reads GradMode to decide whether to keep what its backward needs, so the graph
-// (which runs with GradMode off, runtime/executor.cpp) must run it with GradMode on. Only
-// aten::mkldnn_rnn_layer (nn.LSTM/nn.GRU on CPU): with GradMode off it returns no workspace, and
-// the mkldnn_rnn_layer_backward that eager recorded fails on the missing tensor.
-bool needs_grad_mode(const c10::OperatorHandle& op);
-
 // The TraceGraph key of a captured record whose op produces `num_outputs` tensors (records
 // built for co-execution are keyed before their outputs exist).
 trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs);

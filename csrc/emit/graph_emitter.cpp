@@ -19,6 +19,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "capture/grad_mode_kernels.h"
 #include "capture/interceptor.h"
 #include "emit/channel.h"
 #include "emit/value_flow.h"
@@ -306,8 +307,9 @@ class Emitter {
     if (checked) out_.gated_checks.insert(check);
     const bool gated = coexec_ && (has_side_effect(info.op) || checked);
     if (gated) channel_op(gate_, {int_constant(n)}, nullptr);
-    const bool grad_mode = needs_grad_mode(info.op);
-    if (grad_mode) set_grad_enabled(true);
+    // The user's GradMode, which capture folded into an argument (capture/grad_mode_kernels.h).
+    const std::optional<size_t> grad_mode = capture::grad_mode_argument(info.op);
+    if (grad_mode) set_grad_enabled(args.at(*grad_mode));
     Node* node = g_.insertNode(g_.create(c10::Symbol::fromQualString(schema.name()), args, 0));
     for (const c10::Argument& r : schema.returns()) node->addOutput()->setType(r.type());
     if (!resolves_to_recorded(node, info)) {
@@ -317,13 +319,13 @@ class Emitter {
       node = boxed_call(info, args);
       ++out_.stats.boxed;
     }
-    if (grad_mode) set_grad_enabled(false);  // (the graph runner also turns it off after a failed op)
+    if (grad_mode) set_grad_enabled(g_.insertConstant(false));  // (the graph runner also does after a failed op)
     std::vector<Value*> outputs = bind_outputs(n, info, node);
     if (coexec_) publish(n, outputs, gated);
   }
 
-  void set_grad_enabled(bool on) {
-    g_.insertNode(g_.create(c10::Symbol::fromQualString("aten::set_grad_enabled"), {g_.insertConstant(on)}, 0));
+  void set_grad_enabled(Value* on) {
+    g_.insertNode(g_.create(c10::Symbol::fromQualString("aten::set_grad_enabled"), {on}, 0));
   }
 
   // Every output joins the output sequence, in program order; an op without outputs publishes
