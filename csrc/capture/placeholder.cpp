@@ -62,6 +62,12 @@ PlaceholderImpl::PlaceholderImpl(c10::Storage storage, const TensorMeta& meta,
   // Python-level reads of a placeholder into its value or an error naming its producer.
 }
 
+PlaceholderImpl::PlaceholderImpl(c10::TensorImpl::ImplType view, c10::Storage storage, c10::DispatchKeySet keys,
+                                 const TensorMeta& meta, const c10::OperatorHandle& producer)
+    : c10::TensorImpl(view, std::move(storage), keys, c10::scalarTypeToTypeMeta(meta.dtype)), producer_(producer) {
+  set_meta(meta);
+}
+
 void PlaceholderImpl::set_meta(const TensorMeta& meta) {
   set_sizes_and_strides(meta.sizes, meta.strides, meta.storage_offset);
 }
@@ -168,8 +174,14 @@ at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
   // A view's data comes from its base: name the op that produced the base in errors.
   auto* base_placeholder = dynamic_cast<PlaceholderImpl*>(base.unsafeGetTensorImpl());
   const c10::OperatorHandle& origin = base_placeholder ? base_placeholder->producer() : producer;
-  return at::Tensor(
-      c10::make_intrusive<PlaceholderImpl>(base.unsafeGetTensorImpl()->unsafe_storage(), meta, origin));
+  // As torch's views: an inference tensor exactly when its base is, whatever the mode. A view of
+  // a parameter taken under torch.inference_mode() is an ordinary tensor, which autograd's view
+  // kernel (ADInplaceOrView, which runs for such a base) gives a version counter; made like a
+  // fresh tensor in that mode it was an inference tensor, and that kernel raised.
+  c10::DispatchKeySet keys = terra_keyset();
+  if (!base.is_inference()) keys = keys | c10::getAutogradRelatedKeySetFromBackend(kTerraBackendBit);
+  return at::Tensor(c10::make_intrusive<PlaceholderImpl>(c10::TensorImpl::VIEW, base.unsafeGetTensorImpl()->unsafe_storage(),
+                                                         keys, meta, origin));
 }
 
 void restride_placeholder(const at::Tensor& placeholder, const TensorMeta& meta) {

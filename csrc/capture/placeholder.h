@@ -18,8 +18,12 @@ class PlaceholderImpl : public c10::TensorImpl {
  public:
   // A fresh placeholder with its own (dataless) storage.
   PlaceholderImpl(const TensorMeta& meta, const c10::OperatorHandle& producer);
-  // A view: shares `storage` with its base.
+  // Shares `storage` with another placeholder (a shallow copy).
   PlaceholderImpl(c10::Storage storage, const TensorMeta& meta, const c10::OperatorHandle& producer);
+  // A view: shares `storage` with its base and has the dispatch keys `keys` as given (torch's
+  // own views are built this way: see make_placeholder_view).
+  PlaceholderImpl(c10::TensorImpl::ImplType view, c10::Storage storage, c10::DispatchKeySet keys, const TensorMeta& meta,
+                  const c10::OperatorHandle& producer);
 
   const c10::OperatorHandle& producer() const { return producer_; }
 

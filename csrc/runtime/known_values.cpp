@@ -134,6 +134,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
       continue;
     }
     if (capture::is_placeholder(t)) {
+      if (t.is_inference()) return;  // (made under inference_mode: no version counter to trust it by)
       const bool has_recipe = recipes_.find(t.unsafeGetTensorImpl()) != nullptr;
       if (!has_recipe && n > kMaxKnownElements) return;
       if (ever_written(t)) return;
@@ -166,14 +167,16 @@ void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
   planned_.reset();
   if (outputs.size() != 1) return;
   const at::Tensor& out = outputs[0];
-  if (!out.defined() || !out.is_cpu() || out.numel() > (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements)) return;
+  if (!out.defined() || !out.is_cpu() || out.is_inference() ||
+      out.numel() > (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements))
+    return;
   r.impl.emplace(out.getIntrusivePtr());
   r.version = out._version();
   *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::move(r);
 }
 
 void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
-  if (!v.defined() || !v.is_cpu() || v.numel() > kMaxKnownElements) return;
+  if (!v.defined() || !v.is_cpu() || v.numel() > kMaxKnownElements || t.is_inference()) return;
   Known& k = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
   k.impl.emplace(t.getIntrusivePtr());
   k.value = copy_of(v);  // private: a followed in-place op writes the copy, never the graph's tensor
@@ -278,7 +281,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
   // version is settled at the next op (settle()).
   for (size_t w = 0; w < written.size(); ++w) {
     const at::Tensor& t = written[w];
-    if (!t.defined()) continue;
+    if (!t.defined() || t.is_inference()) continue;
     Known& entry = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
     entry.impl.emplace(t.getIntrusivePtr());
     entry.value = written_copies[w];
@@ -292,7 +295,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
     if (k >= outputs.size()) break;
     const at::Tensor& out = outputs[k++];
     const at::Tensor& value = r.toTensor();
-    if (!value.defined() || !value.is_cpu() || value.numel() > kMaxKnownElements) return;
+    if (!value.defined() || !value.is_cpu() || value.numel() > kMaxKnownElements || out.is_inference()) return;
     Known& entry = *known_.try_emplace(out.unsafeGetTensorImpl()).first;
     const bool in_place = entry.impl && !entry.impl->expired() && entry.value.defined() &&
                           entry.value.unsafeGetTensorImpl() == value.unsafeGetTensorImpl();

@@ -17,7 +17,9 @@
 // The graph still runs every op (its values are the real ones); the copies only answer reads, and
 // the same kernels on the same bits give the same bits. Anything else that writes such a tensor
 // bumps its version (autograd's in-place ops, an eager iteration), so its copy is ignored from then
-// on, until a read that waits makes it known again. Random ops are never run on copies.
+// on, until a read that waits makes it known again. Random ops are never run on copies. Tensors
+// made under torch.inference_mode() have no version counter to trust a copy by: they are never
+// known and no recipe reads or makes one (their reads wait for the graph).
 //
 // Example (Adam, iteration 10, one parameter):
 //     step_t += 1        -> placeholder path; the copy of step_t (known since iteration 3) += 1
