@@ -12,44 +12,13 @@ parameters and output shapes must match bitwise."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import terra_torch
-from terra_torch import runtime
+from bitwise_runs import check_bitwise
 
 STEPS = 60
-
-
-@pytest.fixture(autouse=True)
-def _isolated():
-    yield
-    runtime.close_all()
-
-
-def _train(terra: bool, make, step):
-    torch.manual_seed(0)
-    model, opt = make()
-    if terra:
-        model = terra_torch.wrap(model)
-    log = [step(model, opt, i) for i in range(STEPS)]
-    info = None
-    if terra:
-        terra_torch.synchronize()
-        info = (terra_torch.stats(model), list(model._terra_program.fallbacks))
-        terra_torch.unwrap(model)
-    return log, [p.detach().clone() for p in model.parameters()], info
-
-
-def _check_bitwise(make, step):
-    la, pa, _ = _train(False, make, step)
-    lb, pb, (st, fallbacks) = _train(True, make, step)
-    assert [shape for _, shape in la] == [shape for _, shape in lb]
-    assert [loss for loss, _ in la] == [loss for loss, _ in lb]
-    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
-    return st, fallbacks
 
 
 def test_restrides_of_placeholders_co_execute_bitwise():
@@ -84,7 +53,7 @@ def test_restrides_of_placeholders_co_execute_bitwise():
         opt.step()
         return float(loss.detach()), (tuple(out.shape), out.stride())
 
-    st, fallbacks = _check_bitwise(make, step)
+    st, fallbacks = check_bitwise(make, step, STEPS)
     assert st.iterations["coexec"] >= STEPS - 4, st.iterations
     assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
 
@@ -116,7 +85,7 @@ def test_restride_of_a_tensor_with_its_value_runs_for_real():
         opt.step()
         return float(loss.detach()), tuple(x.shape)
 
-    st, fallbacks = _check_bitwise(make, step)
+    st, fallbacks = check_bitwise(make, step, STEPS)
     assert all(s == [(1, 8, 4), (1, 8, 4)] for s in shapes_after_call.values())
     # Each co-executed iteration stops at the op and runs the rest for real, with the reason.
     reasons = [f.reason for f in fallbacks]

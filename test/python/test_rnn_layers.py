@@ -19,40 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import terra_torch
-from terra_torch import runtime
+from bitwise_runs import check_bitwise
 
 STEPS = 60
-
-
-@pytest.fixture(autouse=True)
-def _isolated():
-    yield
-    runtime.close_all()
-
-
-def _train(terra: bool, make, step):
-    torch.manual_seed(0)
-    model, opt = make()
-    if terra:
-        model = terra_torch.wrap(model)
-    log = [step(model, opt, i) for i in range(STEPS)]
-    info = None
-    if terra:
-        terra_torch.synchronize()
-        st = terra_torch.stats(model)
-        info = (st, list(model._terra_program.fallbacks))
-        terra_torch.unwrap(model)
-    return log, [p.detach().clone() for p in model.parameters()], info
-
-
-def _check_bitwise(make, step):
-    la, pa, _ = _train(False, make, step)
-    lb, pb, (st, fallbacks) = _train(True, make, step)
-    assert [shape for _, shape in la] == [shape for _, shape in lb]
-    assert [loss for loss, _ in la] == [loss for loss, _ in lb]
-    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
-    return st, fallbacks
 
 
 def _rnn_program(kind: str, lengths: tuple[int, ...]):
@@ -88,7 +57,7 @@ def _rnn_program(kind: str, lengths: tuple[int, ...]):
 @pytest.mark.parametrize("kind,lengths", [("GRU", (7,)), ("LSTM", (7,)), ("GRU", (5, 9, 13)), ("LSTM", (9, 5))])
 def test_batch_first_recurrent_layers_co_execute_bitwise(kind, lengths):
     make, step = _rnn_program(kind, lengths)
-    st, fallbacks = _check_bitwise(make, step)
+    st, fallbacks = check_bitwise(make, step, STEPS)
     # (tracing takes an iteration or two per length; the rest co-executes without falling back)
     assert st.iterations["coexec"] >= STEPS - 4 * len(lengths), (st.iterations, [f.reason for f in fallbacks])
     assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
@@ -123,7 +92,7 @@ def test_recurrent_layers_evaluated_co_execute_bitwise(kind, how):
             out = model(inputs[i % len(inputs)])
         return out.detach().sum().item(), tuple(out.shape)
 
-    st, fallbacks = _check_bitwise(make, step)
+    st, fallbacks = check_bitwise(make, step, STEPS)
     phases = st.evaluation.iterations if st.evaluation is not None else st.iterations
     assert phases["coexec"] >= STEPS - 8, (st.iterations, st.evaluation and st.evaluation.iterations)
     assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]

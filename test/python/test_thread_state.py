@@ -10,21 +10,13 @@ bfloat16). Each test checks the state after the loop and that the results match 
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import terra_torch
-from terra_torch import runtime
 
 STEPS = 12
-
-
-@pytest.fixture(autouse=True)
-def _isolated():
-    yield
-    runtime.close_all()
 
 
 def _mlp():
