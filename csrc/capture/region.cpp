@@ -95,29 +95,17 @@ bool is_host_op(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) 
   return true;
 }
 
-// An in-place op that changes the metadata of the argument it writes (transpose_, squeeze_,
-// unsqueeze_, as_strided_, resize_): the written argument's sizes, strides or offset after it,
-// as the meta kernel computed them, differ from what the argument has now. nn.GRU and nn.LSTM
-// with batch_first=True end with one (`transpose_(0, 1)` on their output, in
-// aten/src/ATen/native/RNN.cpp).
-bool changes_metadata(const OutputSpec& spec, const at::Tensor& written) {
-  const c10::TensorImpl* impl = written.unsafeGetTensorImpl();
-  return impl->sizes() != c10::IntArrayRef(spec.meta.sizes) ||
-         impl->strides() != c10::IntArrayRef(spec.meta.strides) ||
-         impl->storage_offset() != spec.meta.storage_offset;
-}
-
-// The first argument such an op would restride that is not a placeholder (a parameter, an
-// input, a placeholder already given its value): Python must see the new metadata at once, and
-// the graph, which holds the same tensor, would apply the op to it a second time.
-const at::Tensor* restrided_real_tensor(const InferredOutputs& inferred, c10::ArrayRef<c10::IValue> args) {
+// Whether an op that restrides an argument in place (OutputSpec::restrides: transpose_,
+// squeeze_, as_strided_; nn.GRU and nn.LSTM with batch_first=True end with `transpose_(0, 1)` on
+// their output, aten/src/ATen/native/RNN.cpp) would restride a tensor that is not a placeholder
+// (a parameter, an input, a placeholder already given its value): Python must see the new
+// metadata at once, and the graph, which holds the same tensor, would apply the op a second time.
+bool restrides_a_real_tensor(const InferredOutputs& inferred, c10::ArrayRef<c10::IValue> args) {
+  if (!inferred.restrides) return false;  // (nearly every op)
   for (const ReturnSpec& ret : inferred.returns)
-    for (const OutputSpec& spec : ret.tensors) {
-      if (spec.kind != OutputSpec::Kind::SameAsArgument) continue;
-      const at::Tensor& arg = args[spec.argument].toTensor();
-      if (!is_placeholder(arg) && changes_metadata(spec, arg)) return &arg;
-    }
-  return nullptr;
+    for (const OutputSpec& spec : ret.tensors)
+      if (spec.restrides && !is_placeholder(args[spec.argument].toTensor())) return true;
+  return false;
 }
 
 }  // namespace
@@ -540,7 +528,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
   // Nor a collective: the other ranks would see it twice.
   if ((rec.checked || hook_->check_first(rec)) && !op.hasTag(at::Tag::nondeterministic_seeded) && !is_collective(op))
     check_first(op, ks, rec, index, args);  // returns only if the op would not raise
-  if (restrided_real_tensor(*inferred, args) != nullptr) {
+  if (restrides_a_real_tensor(*inferred, args)) {
     // Run for real here instead, after the graph has finished what Python validated.
     hook_->refuse(index, c10::toString(op.operator_name()) +
                              " changes the sizes or strides of a tensor that already has its value in place");
@@ -632,7 +620,7 @@ void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutput
         break;
       case OutputSpec::Kind::SameAsArgument:
         out = args[spec.argument].toTensor();
-        if (changes_metadata(spec, out)) {
+        if (spec.restrides) {
           // As the kernel would: this tensor (not its views) gets the new metadata; the graph
           // applies the op to its own value, so the two agree when this one is bound.
           TORCH_CHECK(is_placeholder(out), "terra_torch: ", c10::toString(op.operator_name()),

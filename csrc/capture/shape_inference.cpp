@@ -197,6 +197,13 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
       if (alias) {
         out.kind = alias->written ? OutputSpec::Kind::SameAsArgument : OutputSpec::Kind::ViewOfArgument;
         out.argument = static_cast<int>(alias->argument);
+        if (alias->written && args[alias->argument].isTensor()) {
+          const c10::TensorImpl* before = args[alias->argument].toTensor().unsafeGetTensorImpl();
+          out.restrides = before->sizes() != c10::IntArrayRef(out.meta.sizes) ||
+                          before->strides() != c10::IntArrayRef(out.meta.strides) ||
+                          before->storage_offset() != out.meta.storage_offset;
+          result.restrides = result.restrides || out.restrides;
+        }
       }
       return out;
     };

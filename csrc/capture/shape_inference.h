@@ -17,6 +17,10 @@ struct OutputSpec {
   enum class Kind { Fresh, SameAsArgument, ViewOfArgument } kind = Kind::Fresh;
   int argument = -1;  // for SameAsArgument (in-place / out=) and ViewOfArgument
   TensorMeta meta;
+  // SameAsArgument whose sizes, strides or offset the op changes (transpose_, squeeze_,
+  // as_strided_, resize_): `meta` is the argument's metadata after it. (The argument's metadata
+  // before is part of the cache key, so this is decided once per entry, not per op.)
+  bool restrides = false;
 };
 
 struct ReturnSpec {
@@ -30,6 +34,7 @@ struct InferredOutputs {
   // results (item), or ops without a meta kernel. `reason` says which.
   bool needs_materialization = false;
   std::string reason;
+  bool restrides = false;  // some output restrides its argument (OutputSpec::restrides)
 };
 
 // `args` are the op's arguments as they sit on the dispatcher stack (placeholders or real).

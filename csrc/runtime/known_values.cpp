@@ -10,14 +10,22 @@
 
 namespace terra::runtime {
 
+namespace {
+
+// A tensor made under torch.inference_mode() has no version counter to trust a copy by
+// (known_values.h): never known, never in a recipe.
+bool untracked(const at::Tensor& t) { return t.is_inference(); }
+
+}  // namespace
+
 bool KnownValues::small_cpu(const at::Tensor& t) {
   return t.defined() && t.is_cpu() && t.layout() == c10::kStrided && t.numel() <= kMaxKnownElements &&
-         !t.is_view() && !t.is_inference();
+         !t.is_view() && !untracked(t);
 }
 
 const KnownValues::Known* KnownValues::find(const at::Tensor& t) const {
   const Known* k = known_.find(t.unsafeGetTensorImpl());
-  if (k == nullptr || !k->settled || k->impl->expired() || t.is_inference() || k->version != t._version())
+  if (k == nullptr || !k->settled || k->impl->expired() || untracked(t) || k->version != t._version())
     return nullptr;
   return k;
 }
@@ -134,7 +142,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
       continue;
     }
     if (capture::is_placeholder(t)) {
-      if (t.is_inference()) return;  // (made under inference_mode: no version counter to trust it by)
+      if (untracked(t)) return;
       const bool has_recipe = recipes_.find(t.unsafeGetTensorImpl()) != nullptr;
       if (!has_recipe && n > kMaxKnownElements) return;
       if (ever_written(t)) return;
@@ -142,7 +150,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
       if (!index && !has_recipe) return;
       r.inputs.push_back({i, true, index.value_or(-1), t._version(), WeakImpl(t.getIntrusivePtr()), t.storage()});
       r.needs_graph |= !has_recipe;
-    } else if (!t.is_inference() && memory_is_value(t)) {
+    } else if (!untracked(t) && memory_is_value(t)) {
       // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
       if (n <= kMaxKnownElements) {
         copies.emplace_back(r.args.size(), &t);
@@ -167,7 +175,7 @@ void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
   planned_.reset();
   if (outputs.size() != 1) return;
   const at::Tensor& out = outputs[0];
-  if (!out.defined() || !out.is_cpu() || out.is_inference() ||
+  if (!out.defined() || !out.is_cpu() || untracked(out) ||
       out.numel() > (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements))
     return;
   r.impl.emplace(out.getIntrusivePtr());
@@ -176,7 +184,7 @@ void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
 }
 
 void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
-  if (!v.defined() || !v.is_cpu() || v.numel() > kMaxKnownElements || t.is_inference()) return;
+  if (!v.defined() || !v.is_cpu() || v.numel() > kMaxKnownElements || untracked(t)) return;
   Known& k = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
   k.impl.emplace(t.getIntrusivePtr());
   k.value = copy_of(v);  // private: a followed in-place op writes the copy, never the graph's tensor
@@ -238,7 +246,7 @@ void KnownValues::relearn_from_memory() {
     const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl = k.impl->lock();
     if (!impl) return true;
     const at::Tensor t(impl);
-    if (!t.has_storage() || t.data_ptr() == nullptr || t.is_inference()) return true;  // (no memory to read)
+    if (!t.has_storage() || t.data_ptr() == nullptr || untracked(t)) return true;  // (no memory to read)
     k.value = copy_of(t);
     k.version = t._version();
     k.settled = true;
@@ -281,7 +289,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
   // version is settled at the next op (settle()).
   for (size_t w = 0; w < written.size(); ++w) {
     const at::Tensor& t = written[w];
-    if (!t.defined() || t.is_inference()) continue;
+    if (!t.defined() || untracked(t)) continue;
     Known& entry = *known_.try_emplace(t.unsafeGetTensorImpl()).first;
     entry.impl.emplace(t.getIntrusivePtr());
     entry.value = written_copies[w];
@@ -295,7 +303,7 @@ void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known
     if (k >= outputs.size()) break;
     const at::Tensor& out = outputs[k++];
     const at::Tensor& value = r.toTensor();
-    if (!value.defined() || !value.is_cpu() || value.numel() > kMaxKnownElements || out.is_inference()) return;
+    if (!value.defined() || !value.is_cpu() || value.numel() > kMaxKnownElements || untracked(out)) return;
     Known& entry = *known_.try_emplace(out.unsafeGetTensorImpl()).first;
     const bool in_place = entry.impl && !entry.impl->expired() && entry.value.defined() &&
                           entry.value.unsafeGetTensorImpl() == value.unsafeGetTensorImpl();

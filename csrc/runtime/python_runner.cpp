@@ -211,14 +211,19 @@ PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const c
   return verdict;
 }
 
+bool PythonRunner::known_values_answer(const c10::OperatorHandle& op) {
+  known_.drop_planned();
+  // Never a collective: followed, or kept as a recipe for a read, it would run a second time on
+  // this thread, and the other ranks would see it twice (a DDP run waited 30 s for a recv).
+  if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
+  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
+  return true;
+}
+
 bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
                                         torch::jit::Stack& out) {
-  known_.drop_planned();
-  // Never a collective: kept as a recipe for a read, it would run a second time on this thread,
-  // and the other ranks would see it twice (a DDP run waited 30 s for a recv).
-  if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
+  if (!known_values_answer(op)) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
-  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
   auto published = [this](int64_t index) -> std::optional<at::Tensor> {
     wait_for_graph(index + 1);
     return values_->value(index);
@@ -230,10 +235,7 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
 }
 
 bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  known_.drop_planned();
-  // Never a collective: followed, it would run a second time on this thread (see above).
-  if (!known_values_enabled_ || diverged_ || capture::is_collective(op)) return false;
-  known_.settle();  // (the previous op has returned through autograd; validate() has not run yet)
+  if (!known_values_answer(op)) return false;
   if (!known_.substitute(args, known_args_)) {
     known_.plan_recipe(op, args, [this](const at::Tensor& t) { return linked_index(t); });  // (kept by outputs() if its one output is small)
     return false;

@@ -192,6 +192,9 @@ class PythonRunner final : public capture::CoExecHook {
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
+  // Whether known values may answer for `op` at all (on, not diverged, no collective); drops a
+  // planned recipe and settles the previous op's versions.
+  bool known_values_answer(const c10::OperatorHandle& op);
   // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
   // planned for its output instead).
   bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
