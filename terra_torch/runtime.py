@@ -527,6 +527,10 @@ class Program:
     def materialize(self, t: torch.Tensor) -> None:
         self._session.materialize(t)
 
+    def catch_up(self) -> None:
+        """Wait until the graph has run every op Python validated (terra_torch/_rng.py)."""
+        self._session.catch_up()
+
     def close(self) -> None:
         """Synchronize and stop the graph for good."""
         with _lock:

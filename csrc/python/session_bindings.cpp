@@ -193,6 +193,12 @@ void init_session(py::module_& m) {
           },
           "the program runs on the Python thread for now: the graph worker gives its OpenMP pool back once idle")
       .def(
+          "catch_up",
+          [](Session& s) {
+            if (s.has_runner()) s.runner().catch_up();  // (holding the GIL, as materialize)
+          },
+          "wait until the graph has run every op Python validated (nothing is materialized)")
+      .def(
           "materialize",
           [](Session& s, const at::Tensor& t) {
             if (s.has_runner()) s.runner().materialize(t);

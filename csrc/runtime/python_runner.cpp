@@ -436,6 +436,12 @@ void PythonRunner::materialize(const at::Tensor& t) {
   refresh(t, *v);
 }
 
+void PythonRunner::catch_up() {
+  if (stopped_) return;
+  flush();
+  wait_for_graph(values_->expected());  // (every op publishes: docs/ARCHITECTURE.md)
+}
+
 void PythonRunner::shut_down() {
   if (stopped_) return;
   if (!in_iteration_) synchronize(true);

@@ -101,6 +101,10 @@ class PythonRunner final : public capture::CoExecHook {
   void synchronize(bool finish);
   // Gives `t` its current value (a placeholder, or a tensor the graph updates).
   void materialize(const at::Tensor& t);
+  // Waits until the graph has run every op Python validated, and nothing else: before Python
+  // touches state the graph's ops use without an op of their own (a random generator's state:
+  // terra_torch/_rng.py).
+  void catch_up();
   // Stops the graph for good (the Session is regenerating it or going away); live placeholders
   // get their values first.
   void shut_down();

@@ -1,0 +1,137 @@
+"""Programs that read, save, restore or reseed the random generator while co-executing.
+
+`torch.manual_seed`, `torch.get_rng_state` and `torch.set_rng_state` touch the generator
+directly, not through an aten op; the graph's worker draws the program's random numbers later
+than Python issues them. Before terra_torch/_rng.py these programs differed from eager from
+their first co-executed iterations (R-Drop's two passes got different dropout masks, a
+checkpointed block with dropout recomputed another mask in backward).
+
+No program here reads a value inside the loop: a read makes Python wait for the graph, which
+would hide a generator touched too early. Each trains 50 iterations eagerly and under
+terra_torch.wrap from the same seed; every loss and parameter must match bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import terra_torch
+
+STEPS = 50
+
+
+def _data(n: int = 4):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def _train(terra: bool, make, step):
+    torch.manual_seed(0)
+    model, opt = make()
+    if terra:
+        model = terra_torch.wrap(model)
+    losses = [step(model, opt, i) for i in range(STEPS)]
+    stats = None
+    if terra:
+        terra_torch.synchronize()
+        stats = terra_torch.stats(model)
+        terra_torch.unwrap(model)
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+
+
+def _check(make, step):
+    eager_losses, eager_params, _ = _train(False, make, step)
+    terra_losses, terra_params, stats = _train(True, make, step)
+    assert torch.equal(eager_losses, terra_losses), (eager_losses - terra_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, terra_params))
+    assert stats.iterations["coexec"] >= STEPS // 2, stats.iterations  # the case under test ran
+    return stats
+
+
+def _mlp(p: float = 0.5):
+    def make():
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 4))
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+    return make
+
+
+def test_rdrop_restores_the_rng_state_between_two_passes():
+    data = _data()
+
+    def step(model, opt, i):
+        x, y = data[i % len(data)]
+        state = torch.get_rng_state()
+        a = model(x)
+        torch.set_rng_state(state)  # the second pass draws the same dropout mask as the first
+        b = model(x)
+        loss = F.cross_entropy(a, y) + F.cross_entropy(b, y) + (a - b).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    _check(_mlp(), step)
+
+
+def test_manual_seed_in_the_loop():
+    data = _data()
+
+    def step(model, opt, i):
+        torch.manual_seed(i % 3)  # while the graph may still be drawing the last mask
+        x, y = data[i % len(data)]
+        loss = F.cross_entropy(model(x) + 0.1 * torch.randn(8, 4), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    _check(_mlp(), step)
+
+
+def test_fork_rng_around_noise():
+    data = _data()
+
+    def step(model, opt, i):
+        x, y = data[i % len(data)]
+        with torch.random.fork_rng():  # saves the state, restores it on exit
+            noise = torch.rand(8, 16)
+        loss = F.cross_entropy(model(x + noise), y)  # dropout draws what it would have without the fork
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    _check(_mlp(), step)
+
+
+def test_checkpointed_block_with_dropout_recomputes_the_same_mask():
+    data = _data()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(16, 32)
+            self.block = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.3))
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+            return self.out(h)
+
+    def make():
+        m = Net()
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x, y = data[i % len(data)]
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()  # recomputes the block under the forward's saved RNG state
+        opt.step()
+        return loss.detach()
+
+    _check(make, step)
