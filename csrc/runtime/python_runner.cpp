@@ -370,8 +370,25 @@ int64_t PythonRunner::read_horizon(c10::ArrayRef<c10::IValue> args) const {
 
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
   const Link* link = links_.find(t.unsafeGetTensorImpl());
-  if (link == nullptr || link->expired()) return std::nullopt;
-  return link->index;
+  if (link != nullptr && !link->expired()) return link->index;
+  if (!capture::is_placeholder(t)) return std::nullopt;
+  // Another TensorImpl over a linked placeholder's storage with its metadata: autograd's copy of
+  // a saved output (SavedVariable keeps tensor_data(), a shallow copy), which a backward reads
+  // when the output came from an earlier iteration (two forward calls, one backward: a siamese
+  // loss, REINFORCE's log-probs). Rare, so searched rather than indexed; of several links over
+  // that memory the newest entry holds its latest value (an in-place op links a later one).
+  const c10::TensorImpl* want = t.unsafeGetTensorImpl();
+  std::optional<int64_t> found;
+  links_.for_each([&](const c10::TensorImpl* key, const Link& l) {
+    if (l.expired() || key == want) return;
+    const auto impl = l.impl->lock();
+    if (!impl || impl->unsafe_storage().unsafeGetStorageImpl() != want->unsafe_storage().unsafeGetStorageImpl() ||
+        impl->dtype() != want->dtype() || impl->storage_offset() != want->storage_offset() ||
+        impl->sizes() != want->sizes() || impl->strides() != want->strides())
+      return;
+    if (!found || l.index > *found) found = l.index;
+  });
+  return found;
 }
 
 // ---- divergence and synchronization ------------------------------------------------------------

@@ -194,6 +194,8 @@ class PythonRunner final : public capture::CoExecHook {
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   // How much of the output sequence a read of `args` waits for (python_runner.cpp).
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
+  // The value-table entry holding `t`'s value: its link, or, for a placeholder without one,
+  // the newest link over the same memory and metadata (autograd's copy of a saved output).
   std::optional<int64_t> linked_index(const at::Tensor& t) const;
   bool in_loop(trace::NodeId n) const;
   // Whether known values may answer for `op` at all (on, not diverged, no collective); drops a

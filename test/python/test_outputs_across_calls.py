@@ -1,0 +1,72 @@
+"""One backward over the outputs of several forward calls of the wrapped model.
+
+Each forward call of a `terra_torch.wrap`ped model starts an iteration, so in
+`a = model(x1); b = model(x2); loss(a, b).backward()` the backward of tanh (or sigmoid,
+log_softmax: ops whose backward reads their saved *output*) reads a value of the previous
+iteration. Autograd hands that output back as its own shallow copy (SavedVariable keeps
+`tensor_data()`), another TensorImpl over the placeholder's memory, which the runtime did not
+know: every such iteration fell back to eager ("reads a placeholder this program did not make",
+19 fallbacks in 40 steps of a siamese loss; REINFORCE with six calls per episode likewise). The
+copy now resolves to the value-table entry of the placeholder it copies
+(PythonRunner::linked_index). Trained eagerly and under terra_torch.wrap from the same seed;
+losses and parameters bitwise, and no fallback once the calls' iterations are learned."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bitwise_runs import check_bitwise
+
+STEPS = 60
+
+
+def test_siamese_loss_over_two_calls_co_executes_bitwise():
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)) for _ in range(3)]
+
+    def make():
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 3))
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x1, x2 = data[i % len(data)]
+        a = model(x1)
+        b = model(x2)  # a second iteration begins: a's saved outputs belong to the first
+        loss = F.mse_loss(a, b) + a.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), None
+
+    st, fallbacks = check_bitwise(make, step, STEPS)
+    assert st.iterations["coexec"] >= 2 * STEPS - 10, st.iterations
+    assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
+
+
+def test_policy_gradient_over_several_calls_co_executes_bitwise():
+    g = torch.Generator().manual_seed(4)
+    states = [torch.randn(1, 6, generator=g) for _ in range(8)]
+    returns = torch.linspace(1.0, 0.2, 4)
+
+    def make():
+        m = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def step(model, opt, i):
+        log_probs = []
+        for t in range(4):  # an episode: one call per state, one backward at its end
+            logits = model(states[(i + t) % len(states)])
+            log_probs.append(F.log_softmax(logits, dim=-1)[0, t % 3])
+        loss = -(torch.stack(log_probs) * returns).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), None
+
+    st, fallbacks = check_bitwise(make, step, STEPS // 2)
+    assert st.iterations["coexec"] >= 4 * (STEPS // 2) - 16, st.iterations
+    # (the first episodes teach the graph the calls' four shapes of iteration: a fallback or two
+    # while it learns them, none afterwards; before the fix one in every episode)
+    assert all(f.iteration < 20 for f in fallbacks), [(f.iteration, f.reason) for f in fallbacks]
