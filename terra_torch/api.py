@@ -75,6 +75,14 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
             reason = f"DistributedDataParallel with {reason}; this model runs eagerly (DDP as usual)"
             warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
             program.run_eagerly(reason)
+    elif (sparse := _sparse_gradient_module(model)) is not None:
+        # Their backward makes sparse COO gradients; placeholders are strided tensors, so the
+        # first co-executed backward would fail in the dispatcher (no kernel for a sparse tensor
+        # of the placeholder backend).
+        reason = (f"{sparse} makes sparse gradients (sparse=True), which co-execution does not support; "
+                  "this model runs eagerly")
+        warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
+        program.run_eagerly(reason)
     elif (distributed := _distributed_wrapper(model)) is not None:
         # A data-parallel wrapper inside the model (or FSDP): its reducer runs in backward, reads
         # gradients' memory and launches collectives on them; correct results come first.
@@ -166,6 +174,15 @@ def _distributed_wrapper(model: torch.nn.Module) -> str | None:
     for m in model.modules():
         if _is_data_parallel(m):
             return type(m).__name__
+    return None
+
+
+def _sparse_gradient_module(model: torch.nn.Module) -> str | None:
+    """The qualified name of a submodule whose backward makes sparse gradients, if any
+    (nn.Embedding / nn.EmbeddingBag with sparse=True)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            return f"{name or 'the model'} ({type(m).__name__})"
     return None
 
 

@@ -70,3 +70,39 @@ def test_policy_gradient_over_several_calls_co_executes_bitwise():
     # (the first episodes teach the graph the calls' four shapes of iteration: a fallback or two
     # while it learns them, none afterwards; before the fix one in every episode)
     assert all(f.iteration < 20 for f in fallbacks), [(f.iteration, f.reason) for f in fallbacks]
+
+
+def test_sparse_embedding_gradients_run_eagerly_with_a_warning():
+    # nn.Embedding(sparse=True) makes sparse COO gradients, which placeholders (strided tensors)
+    # cannot stand for: its first co-executed backward raised NotImplementedError in the
+    # dispatcher. The wrapped model runs eagerly instead, with a warning naming the module.
+    import warnings
+
+    import terra_torch
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        if terra:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m = terra_torch.wrap(m)
+            assert any("0 (Embedding) makes sparse gradients" in str(w.message) for w in caught), caught
+        x = torch.tensor([[1, 2, 3], [4, 5, 1]])
+        losses = []
+        for _ in range(8):
+            loss = m(x).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(m).iterations["eager"] == 8, terra_torch.stats(m).iterations
+            terra_torch.unwrap(m)
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    (le, pe), (lt, pt) = run(False), run(True)
+    assert le == lt
+    assert all(torch.equal(a, b) for a, b in zip(pe, pt))
