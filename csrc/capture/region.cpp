@@ -321,7 +321,14 @@ uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* nod
     // (warm start); the address where no such input is known.
     const c10::TensorImpl* leaf = acc->variable.unsafeGetTensorImpl();
     const int32_t* ext = external_index_.find(leaf);
-    const uint64_t reader = ext != nullptr ? trace_.externals[*ext].first_reader : 0;
+    uint64_t reader = ext != nullptr ? trace_.externals[*ext].first_reader : 0;
+    if (reader == 0) {
+      // A leaf this region made (reentrant checkpointing detaches its inputs in backward and
+      // accumulates into them): named by the op that made it, as its address is new each time.
+      const std::optional<ValueRef> made = find_produced(acc->variable);
+      if (made && made->record >= 0)
+        reader = trace::hash_combine(trace::hash_combine(0x1eaf, trace_.ops[made->record].location), made->output);
+    }
     base = trace::hash_combine(0xacc, reader != 0 ? reader : reinterpret_cast<uintptr_t>(leaf));
   } else {
     const Creator* forward = node_location_.find(node->sequence_nr());

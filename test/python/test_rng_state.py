@@ -135,3 +135,37 @@ def test_checkpointed_block_with_dropout_recomputes_the_same_mask():
         return loss.detach()
 
     _check(make, step)
+
+
+def test_reentrant_checkpoint_with_dropout_co_executes_bitwise():
+    # use_reentrant=True: the block's backward (a Python autograd.Function) restores the RNG
+    # state, detaches its saved inputs and runs a nested backward that accumulates into them.
+    # Those leaves are new tensors every iteration; named by their address, the accumulation was
+    # another op in every trace and the program never converged (0 of 40 iterations
+    # co-executed). They are named by the op that made them now (Region::locate).
+    data = _data()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(16, 32)
+            self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.2))
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.out(torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=True))
+
+    def make():
+        m = Net()
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x, y = data[i % len(data)]
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    stats = _check(make, step)
+    assert stats.iterations["coexec"] >= STEPS - 6, stats.iterations
