@@ -13,12 +13,13 @@ terra_torch.wrap from the same seed; every loss and parameter must match bitwise
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import terra_torch
+from bitwise_runs import check_bitwise
 
 STEPS = 50
 
@@ -28,27 +29,17 @@ def _data(n: int = 4):
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
 
 
-def _train(terra: bool, make, step):
-    torch.manual_seed(0)
-    model, opt = make()
-    if terra:
-        model = terra_torch.wrap(model)
-    losses = [step(model, opt, i) for i in range(STEPS)]
-    stats = None
-    if terra:
-        terra_torch.synchronize()
-        stats = terra_torch.stats(model)
-        terra_torch.unwrap(model)
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
-
-
 def _check(make, step):
-    eager_losses, eager_params, _ = _train(False, make, step)
-    terra_losses, terra_params, stats = _train(True, make, step)
-    assert torch.equal(eager_losses, terra_losses), (eager_losses - terra_losses).abs().max()
-    assert all(torch.equal(a, b) for a, b in zip(eager_params, terra_params))
+    stats, _ = check_bitwise(make, step, STEPS)
     assert stats.iterations["coexec"] >= STEPS // 2, stats.iterations  # the case under test ran
     return stats
+
+
+def _sgd_step(model, opt, loss):
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach(), None  # (a tensor: no read inside the loop)
 
 
 def _mlp(p: float = 0.5):
@@ -68,10 +59,7 @@ def test_rdrop_restores_the_rng_state_between_two_passes():
         torch.set_rng_state(state)  # the second pass draws the same dropout mask as the first
         b = model(x)
         loss = F.cross_entropy(a, y) + F.cross_entropy(b, y) + (a - b).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return _sgd_step(model, opt, loss)
 
     _check(_mlp(), step)
 
@@ -83,10 +71,7 @@ def test_manual_seed_in_the_loop():
         torch.manual_seed(i % 3)  # while the graph may still be drawing the last mask
         x, y = data[i % len(data)]
         loss = F.cross_entropy(model(x) + 0.1 * torch.randn(8, 4), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return _sgd_step(model, opt, loss)
 
     _check(_mlp(), step)
 
@@ -99,15 +84,19 @@ def test_fork_rng_around_noise():
         with torch.random.fork_rng():  # saves the state, restores it on exit
             noise = torch.rand(8, 16)
         loss = F.cross_entropy(model(x + noise), y)  # dropout draws what it would have without the fork
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return _sgd_step(model, opt, loss)
 
     _check(_mlp(), step)
 
 
-def test_checkpointed_block_with_dropout_recomputes_the_same_mask():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_block_with_dropout_co_executes_bitwise(reentrant):
+    # The recomputation in backward restores the forward's RNG state to draw the same mask.
+    # use_reentrant=True also detaches the block's saved inputs in backward (a Python
+    # autograd.Function) and runs a nested backward that accumulates into them: those leaves are
+    # new tensors every iteration; named by their address, the accumulation was another op in
+    # every trace and the program never converged (0 of 40 iterations co-executed). They are
+    # named by the op that made them now (Region::locate).
     data = _data()
 
     class Net(nn.Module):
@@ -118,8 +107,7 @@ def test_checkpointed_block_with_dropout_recomputes_the_same_mask():
             self.out = nn.Linear(32, 4)
 
         def forward(self, x):
-            h = self.inp(x)
-            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+            h = torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=reentrant)
             return self.out(h)
 
     def make():
@@ -128,44 +116,7 @@ def test_checkpointed_block_with_dropout_recomputes_the_same_mask():
 
     def step(model, opt, i):
         x, y = data[i % len(data)]
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()  # recomputes the block under the forward's saved RNG state
-        opt.step()
-        return loss.detach()
-
-    _check(make, step)
-
-
-def test_reentrant_checkpoint_with_dropout_co_executes_bitwise():
-    # use_reentrant=True: the block's backward (a Python autograd.Function) restores the RNG
-    # state, detaches its saved inputs and runs a nested backward that accumulates into them.
-    # Those leaves are new tensors every iteration; named by their address, the accumulation was
-    # another op in every trace and the program never converged (0 of 40 iterations
-    # co-executed). They are named by the op that made them now (Region::locate).
-    data = _data()
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(16, 32)
-            self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.2))
-            self.out = nn.Linear(32, 4)
-
-        def forward(self, x):
-            return self.out(torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=True))
-
-    def make():
-        m = Net()
-        return m, torch.optim.SGD(m.parameters(), lr=0.05)
-
-    def step(model, opt, i):
-        x, y = data[i % len(data)]
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return _sgd_step(model, opt, F.cross_entropy(model(x), y))
 
     stats = _check(make, step)
     assert stats.iterations["coexec"] >= STEPS - 6, stats.iterations
