@@ -422,10 +422,13 @@ class Program:
                     "how": f"the iteration ended after {len(ops)} ops where earlier iterations went on"}
         name, attrs, _h, _inputs, outputs, loc = ops[k][:6]
         line = Location(loc, region).user_frame
-        same_line = [p for p in prev if p[5] == loc]
-        same_op = [p for p in same_line if p[0] == name]
+        # (by position: an op's arguments may hold script objects that cannot be compared, the
+        # profiler's _RecordFunction handle that DataLoader and optimizer steps pass around)
+        same_line = [j for j, p in enumerate(prev) if p[5] == loc]
+        same_op = [j for j in same_line if prev[j][0] == name]
         if same_op:
-            p = min(same_op, key=lambda q: abs(prev.index(q) - k))
+            j = min(same_op, key=lambda q: abs(q - k))
+            p = prev[j]
             changed = [f"argument {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(p[1], attrs)) if repr(a) != repr(b)]
             shapes = [f"output {i}: {list(a[1])} -> {list(b[1])}" for i, (a, b) in enumerate(zip(p[4], outputs))
                       if list(a[1]) != list(b[1])]
@@ -434,9 +437,9 @@ class Program:
             elif shapes:
                 how = "shape differs (" + "; ".join(shapes) + ")"
             else:
-                how = f"issued at another place in the op sequence (op {k}, op {prev.index(p)} before)"
+                how = f"issued at another place in the op sequence (op {k}, op {j} before)"
         elif same_line:
-            how = f"another op at this line ({name}, {same_line[0][0]} before)"
+            how = f"another op at this line ({name}, {prev[same_line[0]][0]} before)"
         elif k < len(prev):
             how = f"an op the previous iteration did not issue here ({prev[k][0]} there before)"
         else:

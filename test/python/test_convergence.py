@@ -93,3 +93,41 @@ def test_a_program_that_never_converges_runs_eagerly_and_says_why(caplog):
     assert st.not_converged == nc and "did not converge" in st.eager_reason
     phases = [(a, b) for _i, a, b in st.transitions]
     assert ("eager", "tracing") in phases  # the retry after the back-off
+
+
+def test_a_difference_at_a_profiler_op_is_described_without_comparing_its_handle():
+    # Describing how a traced iteration left the program looked the previous iteration's op up
+    # with list.index, which compares op tuples; a profiler::_record_function_exit op holds a
+    # _RecordFunction script object, whose __eq__ raises NotImplementedError (a DataLoader with
+    # workers wraps each batch in record_function: such loops crashed in their third iteration).
+    def fetch(x, i):
+        with torch.autograd.profiler.record_function("fetch"):
+            if i == 1:  # one iteration does more inside the block
+                x = x + 1
+        return x
+
+    def train(terra: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        if terra:
+            m = terra_torch.wrap(m)
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        losses = []
+        for i in range(12):
+            xx = x
+            for _ in range(2):  # two blocks at one line: the exit ops share a location
+                xx = fetch(xx, i)
+            loss = F.cross_entropy(m(xx), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(m).iterations["coexec"] > 0
+        return torch.stack(losses), [p.detach().clone() for p in m.parameters()]
+
+    (le, pe), (lt, pt) = train(False), train(True)
+    assert torch.equal(le, lt)
+    assert all(torch.equal(a, b) for a, b in zip(pe, pt))
