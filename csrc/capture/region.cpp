@@ -640,6 +640,10 @@ void Region::run_placeholder(const c10::OperatorHandle& op, const InferredOutput
         out = make_placeholder_view(args[spec.argument].toTensor(), spec.meta, op);
         break;
     }
+    if (out.defined() && spec.kind != OutputSpec::Kind::SameAsArgument) {
+      if (spec.conj) out._set_conj(true);
+      if (spec.neg) out._set_neg(true);
+    }
     rec.outputs.emplace_back(MetaOf{out});
     produce(out, index, k++);
     return out;

@@ -62,7 +62,7 @@ void key_tensor(Key& key, const at::Tensor& t) {
   key.append(sizes.begin(), sizes.end());
   key.append(strides.begin(), strides.end());
   key.push_back(impl->storage_offset());
-  key.push_back(impl->is_wrapped_number());
+  key.push_back(impl->is_wrapped_number() + 2 * impl->is_conj() + 4 * impl->is_neg());
 }
 
 // `float_values`: whether the values of floats (not only that they are floats) go into the key.
@@ -101,10 +101,18 @@ at::Tensor to_meta(const at::Tensor& t) {
   // keeps its wrapped-number rank in type promotion (float32 * 0.5 stays float32), and Python
   // meta kernels can turn it back into a number.
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
-  if (t.storage_offset() == 0) return at::empty_strided(t.sizes(), t.strides(), options);
-  int64_t extent = t.storage_offset() + 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  return at::empty({extent}, options).as_strided(t.sizes(), t.strides(), t.storage_offset());
+  at::Tensor meta;
+  if (t.storage_offset() == 0) {
+    meta = at::empty_strided(t.sizes(), t.strides(), options);
+  } else {
+    int64_t extent = t.storage_offset() + 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+    meta = at::empty({extent}, options).as_strided(t.sizes(), t.strides(), t.storage_offset());
+  }
+  // (views keep their base's math bits: z.conj().transpose(0, 1) is conjugated too)
+  if (t.is_conj()) meta._set_conj(true);
+  if (t.is_neg()) meta._set_neg(true);
+  return meta;
 }
 
 c10::IValue ivalue_to_meta(const c10::IValue& v) {
@@ -194,6 +202,8 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
       out.meta = meta_of(t);
       out.meta.device = device;
       out.meta.requires_grad = false;  // autograd, above us, decides
+      out.conj = t.is_conj();
+      out.neg = t.is_neg();
       if (alias) {
         out.kind = alias->written ? OutputSpec::Kind::SameAsArgument : OutputSpec::Kind::ViewOfArgument;
         out.argument = static_cast<int>(alias->argument);

@@ -21,6 +21,12 @@ struct OutputSpec {
   // as_strided_, resize_): `meta` is the argument's metadata after it. (The argument's metadata
   // before is part of the cache key, so this is decided once per entry, not per op.)
   bool restrides = false;
+  // The math bits the meta kernel gave the output (z.conj(), x._neg_view()): a placeholder
+  // carries them as the real tensor would, so torch's Conjugate/Negative fallbacks resolve it
+  // before ops that need it resolved, as they did while tracing, and a value bound to it later
+  // reads as conjugated.
+  bool conj = false;
+  bool neg = false;
 };
 
 struct ReturnSpec {
