@@ -18,27 +18,27 @@ program left it. Otherwise a wrapper costs one attribute check. The CUDA module'
 Not covered: methods of a generator object (`g.manual_seed(s)`, `g.set_state(...)`,
 `torch.default_generator.manual_seed(s)`): the Generator type cannot be patched. A program that
 reseeds a generator its model draws from that way must call `terra_torch.synchronize()` first
-(docs/RUNTIME.md, "Random numbers").
+(docs/RUNTIME.md, "Random generator state").
 """
 
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any, Callable
 
 import torch
+import torch.cuda
+import torch.random
 
 from terra_torch import _C, runtime
 
 # (module, functions): each touches a generator's state without an aten op.
-_STATE_FUNCTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("torch", ("manual_seed", "seed", "get_rng_state", "set_rng_state")),
-    ("torch.random", ("manual_seed", "seed", "get_rng_state", "set_rng_state")),
-    ("torch.cuda", ("manual_seed", "manual_seed_all", "seed", "seed_all", "get_rng_state", "get_rng_state_all",
-                    "set_rng_state", "set_rng_state_all")),
+_STATE_FUNCTIONS = (
+    (torch, ("manual_seed", "seed", "get_rng_state", "set_rng_state")),
+    (torch.random, ("manual_seed", "seed", "get_rng_state", "set_rng_state")),
+    (torch.cuda, ("manual_seed", "manual_seed_all", "seed", "seed_all", "get_rng_state", "get_rng_state_all",
+                  "set_rng_state", "set_rng_state_all")),
 )
-_installed = False
 
 
 def catch_up() -> None:
@@ -60,24 +60,10 @@ def _ordered(original: Callable[..., Any]) -> Callable[..., Any]:
     return touch_generator
 
 
-def _module(name: str) -> types.ModuleType | None:
-    module: Any = torch
-    for part in name.split(".")[1:]:
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
-
-
 def install() -> None:
-    global _installed
-    if _installed:
-        return
+    """Wrap every function of _STATE_FUNCTIONS (once: a wrapped one is left as it is)."""
     wrapped: dict[int, Callable[..., Any]] = {}  # one wrapper per function (torch.seed is torch.random.seed)
-    for module_name, names in _STATE_FUNCTIONS:
-        module = _module(module_name)
-        if module is None:
-            continue
+    for module, names in _STATE_FUNCTIONS:
         for name in names:
             original = getattr(module, name, None)
             if original is None or hasattr(original, "_terra_original"):
@@ -85,4 +71,3 @@ def install() -> None:
             if id(original) not in wrapped:
                 wrapped[id(original)] = _ordered(original)
             setattr(module, name, wrapped[id(original)])
-    _installed = True

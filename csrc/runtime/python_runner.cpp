@@ -420,10 +420,15 @@ void PythonRunner::stop_and_materialize(const std::string& why) {
     throw std::runtime_error("terra_torch: stopping the graph (" + why + ") failed: " + failure);
 }
 
-void PythonRunner::synchronize(bool finish) {
+void PythonRunner::catch_up() {
   if (stopped_) return;
   flush();
-  wait_for_graph(values_->expected());
+  wait_for_graph(values_->expected());  // (every op publishes: docs/ARCHITECTURE.md)
+}
+
+void PythonRunner::synchronize(bool finish) {
+  if (stopped_) return;
+  catch_up();
   for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
   if (finish) {
     TORCH_CHECK(!in_iteration_, "terra_torch internal error: cannot finish the graph inside an iteration");
@@ -441,8 +446,7 @@ void PythonRunner::synchronize(bool finish) {
 void PythonRunner::materialize(const at::Tensor& t) {
   if (stopped_ || !t.defined()) return;
   const auto linked = linked_index(t);
-  flush();
-  wait_for_graph(values_->expected());
+  catch_up();
   if (!linked) {
     TORCH_CHECK(!capture::is_placeholder(t), "terra_torch: this placeholder has no value the runtime can give it "
                 "(it was made outside the ops terra_torch follows)");
@@ -453,11 +457,6 @@ void PythonRunner::materialize(const at::Tensor& t) {
   refresh(t, *v);
 }
 
-void PythonRunner::catch_up() {
-  if (stopped_) return;
-  flush();
-  wait_for_graph(values_->expected());  // (every op publishes: docs/ARCHITECTURE.md)
-}
 
 void PythonRunner::shut_down() {
   if (stopped_) return;

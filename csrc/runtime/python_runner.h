@@ -95,16 +95,16 @@ class PythonRunner final : public capture::CoExecHook {
   // generating the graph again would not change that, so the program need not trace again.
   bool diverged_at_unsupported() const { return diverged_ && at_unsupported_; }
 
+  // Waits until the graph has run every op Python validated, and nothing else (what
+  // synchronize and materialize wait for first; alone: before Python touches state the graph's
+  // ops use without an op of their own, a random generator's: terra_torch/_rng.py).
+  void catch_up();
   // Waits until the graph has computed everything Python validated, then gives every live
   // placeholder its value (they stay linked: a later read refreshes them). With `finish`, also
   // waits for every started graph iteration (the iteration must have ended).
   void synchronize(bool finish);
   // Gives `t` its current value (a placeholder, or a tensor the graph updates).
   void materialize(const at::Tensor& t);
-  // Waits until the graph has run every op Python validated, and nothing else: before Python
-  // touches state the graph's ops use without an op of their own (a random generator's state:
-  // terra_torch/_rng.py).
-  void catch_up();
   // Stops the graph for good (the Session is regenerating it or going away); live placeholders
   // get their values first.
   void shut_down();
