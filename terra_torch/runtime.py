@@ -95,6 +95,23 @@ _active: Program | None = None  # the program whose iteration is open (one regio
 _active_thread = 0  # the thread that opened it: capture is per thread (the TLS dispatch key)
 _programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
 _lock = threading.RLock()
+_forked_child = False  # this process was forked while terra_torch was loaded (_after_fork_in_child)
+
+
+def _after_fork_in_child() -> None:
+    """A child forked from a process that co-executes (a DataLoader's worker processes, forked by
+    iter(loader) inside the training loop, collate their batches there) has copies of its
+    programs and of the open capture region, but none of the graph threads behind them: an op
+    captured there, or a wait for a graph, would never finish. The child captures nothing, and its
+    wrapped models and functions run eagerly."""
+    global _forked_child, _active, _lock
+    _forked_child = True
+    _active = None
+    _lock = threading.RLock()  # (another thread of the parent may have held it at the fork)
+    _C.forget_regions_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Whether a file is torch's or terra_torch's, by its name (code objects of one file share the
@@ -231,6 +248,8 @@ class Program:
     def begin(self, stop_frame: FrameType | None) -> None:
         """Start an iteration (ending the open one, of this or another program)."""
         global _active, _active_thread
+        if _forked_child:
+            return
         start = time.monotonic_ns()
         with _lock:
             if _active is not None:
@@ -283,6 +302,8 @@ class Program:
         """End the open iteration: merge its trace, move between phases. `partial`: the iteration
         was cut short (synchronize), so its trace teaches nothing and is not merged."""
         global _active
+        if _forked_child:
+            return
         with _lock:
             region, self._region = self._region, None
             if _active is self:
@@ -523,19 +544,25 @@ class Program:
 
     def synchronize(self) -> None:
         """End the open iteration, wait for the graph, give every live placeholder its value."""
+        if _forked_child:
+            return
         with _lock:
             self.end(partial=True)
             self._session.synchronize(True)
 
     def materialize(self, t: torch.Tensor) -> None:
-        self._session.materialize(t)
+        if not _forked_child:
+            self._session.materialize(t)
 
     def catch_up(self) -> None:
         """Wait until the graph has run every op Python validated (terra_torch/_rng.py)."""
-        self._session.catch_up()
+        if not _forked_child:
+            self._session.catch_up()
 
     def close(self) -> None:
         """Synchronize and stop the graph for good."""
+        if _forked_child:
+            return
         with _lock:
             self.synchronize()
             self._session.shut_down()
@@ -639,6 +666,8 @@ def close_all() -> None:
     Registered at exit (before _C's own hook, registered earlier); tests call it after each
     test so that one that fails midway leaves nothing open for the next."""
     global _active
+    if _forked_child:
+        return
     for p in list(_programs):
         try:
             p.close()

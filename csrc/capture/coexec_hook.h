@@ -59,6 +59,10 @@ class CoExecHook {
   // The op at record `index` cannot be co-executed (`why`): a divergence there.
   virtual void refuse(int32_t index, std::string why) = 0;
 
+  // `t`, a placeholder of this iteration without elements, received memory from outside the
+  // program (Region::adopt_outside_memory): it is an input from outside now, linked to no value.
+  virtual void outside_memory(const at::Tensor& t) = 0;
+
   // A read Python may answer itself (runtime/known_values.h): `out` is `args` with every tensor
   // replaced by its known value; false if some tensor has none. Then the op runs on them instead
   // of waiting for the graph.

@@ -112,6 +112,22 @@ bool restrides_a_real_tensor(const InferredOutputs& inferred, c10::ArrayRef<c10:
 
 Region* active_region() { return g_active.load(std::memory_order_acquire); }
 
+namespace {
+std::atomic<bool> g_forked_child{false};
+}  // namespace
+
+bool forked_child() { return g_forked_child.load(std::memory_order_relaxed); }
+
+void forget_regions_after_fork() {
+  // (The region object itself is left as it is: its mutex may have been held by a thread that
+  // does not exist here.)
+  g_forked_child.store(true, std::memory_order_relaxed);
+  g_active.store(nullptr, std::memory_order_release);
+  auto local = c10::impl::tls_local_dispatch_key_set();
+  local.included_ = c10::DispatchKeySet(c10::DispatchKeySet::RAW, local.included_.raw_repr() & ~terra_keyset().raw_repr());
+  c10::impl::_force_tls_local_dispatch_key_set(local);
+}
+
 void inject_failure(const std::string& op) {
   std::lock_guard<std::mutex> lock(g_failure_mu);
   g_failure_op = op;
@@ -381,6 +397,8 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     Handling() { t_handling = true; }
     ~Handling() { t_handling = false; }
   } handling;
+  for (size_t i = stack->size() - nargs; i < stack->size(); ++i)
+    if ((*stack)[i].isStorage() && adopt_outside_memory(op, ks, stack)) return;
   // Forward ops read the Python stack. On Python 3.11 that needs no GIL once the stack's code
   // objects are known (LocationTracker::walk_without_gil); otherwise the GIL is taken (torch's
   // bindings released it). Lock order is always GIL -> mu_, so a walk that needs the GIL lets
@@ -472,6 +490,37 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     }
   }
   if (report) hook_->outputs(index, flat);
+}
+
+bool Region::adopt_outside_memory(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // Unpickling a tensor builds it as `torch.empty((0,)).set_(storage, offset, size, stride)`
+  // (torch/_utils.py, _rebuild_tensor): every batch a DataLoader's worker processes send, every
+  // torch.load. The storage is memory Python holds, which no op of the program computed, so the
+  // tensor is an input from outside from now on, exactly as if torch.tensor() had made it: the
+  // set_ runs for real and is not recorded, and the tensor leaves the produced table (its
+  // empty() stays in the trace, an op nothing reads). Recording it instead gave a trace the
+  // graph cannot hold (a Storage constant), and such loops never co-executed.
+  //
+  // Only for a tensor without elements: no op can have read a value of it. In co-execution it
+  // must also be a placeholder, whose value the graph keeps apart (a real tensor's old value
+  // could still be read by an op the graph has not run yet): the general path handles the rest
+  // (it runs the iteration on eagerly from there).
+  const size_t nargs = op.schema().arguments().size();
+  const c10::IValue& first = (*stack)[stack->size() - nargs];
+  if (!first.isTensor()) return false;
+  const at::Tensor self = first.toTensor();
+  if (!self.defined() || self.numel() != 0) return false;
+  const bool placeholder = is_placeholder(self);
+  if (mode_ == Mode::CoExec && !placeholder) return false;
+  run_real(op, ks, stack);
+  if (placeholder) adopt_if_backed(self);  // an ordinary tensor of its memory now
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    produced_.erase(self.unsafeGetTensorImpl());
+    external_index_.erase(self.unsafeGetTensorImpl());  // (its sizes changed: a new external)
+  }
+  if (hook_ != nullptr) hook_->outside_memory(self);
+  return true;
 }
 
 bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,

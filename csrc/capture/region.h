@@ -118,6 +118,10 @@ class Region {
   void produce(const at::Tensor& t, int32_t record, int32_t output);
   void run_placeholder(const c10::OperatorHandle& op, const InferredOutputs& inferred, OpRecord& rec,
                        int32_t index, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
+  // An op with a Storage argument (set_ in unpickling) that gives a tensor without elements
+  // memory from outside the program: true when it ran, unrecorded, and the tensor became an
+  // input from outside (see region.cpp); false: the general path handles it.
+  bool adopt_outside_memory(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                   c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
@@ -158,6 +162,15 @@ class Region {
 
 // The region ops are routed to, or nullptr.
 Region* active_region();
+
+// In a process forked while a region was open (a DataLoader's worker processes, forked by
+// iter(loader) inside the training loop): the copy of the region and our key in the forking
+// thread's TLS include set are left behind, but none of the threads behind them. From then on
+// this process intercepts nothing (its ops run as eager ones; terra_torch/runtime.py keeps its
+// programs eager too).
+void forget_regions_after_fork();
+// True in such a child: its copies of the runtime's threads do not exist, so nothing joins them.
+bool forked_child();
 
 // Fault injection for error paths (terra_torch.debug.fail_at): the next op named `op` (for
 // example "aten::mm") that reaches Region::handle throws instead of running, as an internal

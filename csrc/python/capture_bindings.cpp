@@ -64,6 +64,8 @@ void init_capture(py::module_& m) {
   m.def("install_interceptor", &capture::install_interceptor,
         "Give CompositeExplicitAutograd ops a direct kernel on terra's key; returns how many");
   m.def("is_placeholder", &capture::is_placeholder);
+  m.def("forget_regions_after_fork", &capture::forget_regions_after_fork,
+        "In a forked child: intercept nothing from now on (os.register_at_fork, terra_torch/runtime.py)");
   m.def("bind_placeholder", &capture::bind_placeholder, "Give a placeholder its value (materialization)");
   m.def("placeholder_error", [](const at::Tensor& t) -> std::string {
     auto* impl = dynamic_cast<capture::PlaceholderImpl*>(t.unsafeGetTensorImpl());

@@ -262,6 +262,7 @@ class PyGraphRunner {
 };
 
 void shutdown_all_runners() {
+  if (capture::forked_child()) return;  // (a fork's copies of the runners have no threads to join)
   try {
     runtime::wait_direct();  // launched runs finish while the interpreter can still hand out the GIL
   } catch (const std::exception&) {

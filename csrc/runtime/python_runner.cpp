@@ -368,6 +368,13 @@ int64_t PythonRunner::read_horizon(c10::ArrayRef<c10::IValue> args) const {
   return std::min(need, all);
 }
 
+void PythonRunner::outside_memory(const at::Tensor& t) {
+  const Link* link = links_.find(t.unsafeGetTensorImpl());
+  if (link == nullptr) return;
+  values_->retire(link->index);
+  links_.erase(t.unsafeGetTensorImpl());
+}
+
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
   const Link* link = links_.find(t.unsafeGetTensorImpl());
   if (link != nullptr && !link->expired()) return link->index;

@@ -148,6 +148,9 @@ class PythonRunner final : public capture::CoExecHook {
   void refuse(int32_t index, std::string why) override {
     if (!diverged_) diverge(std::move(why), index);
   }
+  // Its link and its claim on the graph's value go: a later read feeds the tensor itself, and
+  // materialization leaves it alone (binding the empty() value would overwrite its memory).
+  void outside_memory(const at::Tensor& t) override;
 
  private:
   struct Link {  // a tensor whose current value lives in the value table

@@ -1,0 +1,162 @@
+"""Tensors whose memory comes from outside the program: unpickled ones (torch.load, and every batch
+a DataLoader's worker processes send), and processes forked while an iteration is open.
+
+Unpickling builds a tensor as `torch.empty((0,)).set_(storage, ...)`; the set_ is not an op the
+graph can hold, so such loops never co-executed (capture/region.cpp, adopt_outside_memory). A
+DataLoader forks its workers at iter(loader), inside the training loop when a step function
+spans an epoch: the workers inherited the open region and hung the program
+(runtime.py, _after_fork_in_child). Every program is compared bit for bit with eager."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import terra_torch
+from bitwise_runs import check_bitwise
+
+STEPS = 50
+
+
+def _saved_batches(n: int = 4) -> list[bytes]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        x = torch.randn(8, 6, generator=g)
+        torch.save((x, (x.sum(1) > 0).long()), buf)
+        out.append(buf.getvalue())
+    return out
+
+
+def _mlp():
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_torch_load_per_step_co_executes():
+    batches = _saved_batches()
+
+    def step(model, opt, i):
+        x, y = torch.load(io.BytesIO(batches[i % len(batches)]))
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(_mlp, step, STEPS)
+    assert stats.iterations["coexec"] >= STEPS - 5, stats.iterations
+    assert not fallbacks, [f.reason for f in fallbacks]
+
+
+def test_torch_load_in_a_loop_of_the_iteration():
+    """One iteration loads several batches (a step function spanning them): each load's
+    empty() is an op nothing reads, and the graph is fed the loaded tensor, never that value
+    (materializing it at the end bound the empty() value into the loaded tensor and raised)."""
+    batches = _saved_batches()
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model, opt = _mlp()
+
+        def epoch(e: int) -> torch.Tensor:
+            losses = []
+            for b in batches:
+                x, y = torch.load(io.BytesIO(b))
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return torch.stack(losses)
+
+        if terra:
+            epoch = terra_torch.function(epoch)
+        out = torch.stack([epoch(e) for e in range(12)])
+        terra_torch.synchronize()
+        info = terra_torch.stats(epoch) if terra else None
+        return out, [p.detach().clone() for p in model.parameters()], info
+
+    la, pa, _ = run(False)
+    lb, pb, stats = run(True)
+    assert torch.equal(la, lb)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert stats.iterations["coexec"] >= 8, stats.iterations
+
+
+def test_dataloader_with_worker_processes_co_executes():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 6, generator=g)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    loader = DataLoader(data, batch_size=32, num_workers=2, persistent_workers=True)
+    batches: list = []
+
+    def step(model, opt, i):
+        if i % 16 == 0:
+            batches[:] = [iter(loader)]
+        xb, yb = next(batches[0])
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), tuple(xb.shape)
+
+    stats, fallbacks = check_bitwise(_mlp, step, 48)
+    assert stats.iterations["coexec"] >= 40, stats.iterations
+    assert not [f for f in fallbacks if "set_" in f.reason or "Storage" in f.reason], [f.reason for f in fallbacks]
+
+
+LIMIT_S = 180
+
+
+def test_workers_forked_inside_an_open_iteration_do_not_hang():
+    """Each call of the step function iterates a fresh DataLoader, whose workers are forked while
+    the iteration is open; they must collate eagerly (and the parent's results stay exact)."""
+    source = textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from torch.utils.data import DataLoader, TensorDataset
+        import terra_torch
+        g = torch.Generator().manual_seed(1)
+        X = torch.randn(128, 16, generator=g)
+        data = TensorDataset(X, (X.sum(1) > 0).long())
+
+        def run(terra):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+            def epoch(e):
+                out = []
+                for x, y in DataLoader(data, batch_size=32, num_workers=2):
+                    loss = F.cross_entropy(net(x), y)
+                    opt.zero_grad(); loss.backward(); opt.step()
+                    out.append(loss.detach())
+                return torch.stack(out)
+
+            if terra:
+                epoch = terra_torch.function(epoch)
+            losses = torch.stack([epoch(e) for e in range(5)])
+            terra_torch.synchronize()
+            coexec = terra_torch.stats(epoch).iterations["coexec"] if terra else 0
+            return losses, [p.detach().clone() for p in net.parameters()], coexec
+
+        la, pa, _ = run(False)
+        lb, pb, coexec = run(True)
+        print("SAME", torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(pa, pb)), "COEXEC", coexec)
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program hung (no exit within {LIMIT_S} s): {e.stdout}\n{e.stderr}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SAME True" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "COEXEC 0" not in out.stdout, out.stdout
