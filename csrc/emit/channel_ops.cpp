@@ -127,29 +127,30 @@ void call_boxed(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   }
 }
 
+// The operator is looked up by its name at every call, through a process-wide table: an Operation
+// made once per node from the node's constant name would be wrong, because TorchScript's
+// interpreter keeps one Operation per operator name and input count for a whole graph
+// (torch/csrc/jit/runtime/interpreter/code_impl.h, add_to_operator_table), so every
+// terra::boxed_call of a graph would run the first one's operator (aten::full called as
+// aten::bitwise_and.Scalar: "Expected Tensor but got Device").
 c10::OperatorHandle find_op(const std::string& name, const std::string& overload) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+  static std::mutex mu;
+  static std::unordered_map<std::string, c10::OperatorHandle> table;
+  const std::string key = name + "." + overload;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = table.find(key);
+  if (it == table.end())
+    it = table.emplace(key, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str())).first;
+  return it->second;
 }
 
-torch::jit::Operation boxed_operation(const torch::jit::Node* node) {
-  // The emitter passes the operator's name as constants: resolve it once per graph.
-  const auto name = torch::jit::toIValue(node->input(0));
-  const auto overload = torch::jit::toIValue(node->input(1));
-  if (name && overload) {
-    const c10::OperatorHandle op = find_op(name->toStringRef(), overload->toStringRef());
-    return [op](torch::jit::Stack& stack) {
-      c10::IValue args = torch::jit::pop(stack);
-      torch::jit::drop(stack, 2);  // name, overload
-      stack.push_back(std::move(args));
-      call_boxed(op, stack);
-    };
-  }
+torch::jit::Operation boxed_operation(const torch::jit::Node*) {
   return [](torch::jit::Stack& stack) {
     c10::IValue args = torch::jit::pop(stack);
-    const std::string overload = torch::jit::pop(stack).toStringRef();
-    const std::string name = torch::jit::pop(stack).toStringRef();
+    const c10::IValue overload = torch::jit::pop(stack);
+    const c10::IValue name = torch::jit::pop(stack);
     stack.push_back(std::move(args));
-    call_boxed(find_op(name, overload), stack);
+    call_boxed(find_op(name.toStringRef(), overload.toStringRef()), stack);
   };
 }
 

@@ -71,6 +71,25 @@ def test_full_with_a_bool_fill_value_co_executes_bitwise():
     assert "terra::boxed_call" in text  # the op the JIT refused, called through its handle
 
 
+def test_several_boxed_ops_in_one_graph_each_run_their_own_operator():
+    # Two ops called boxed in one graph (bool scalars: `t & True`, then torch.full(..., False)),
+    # as transformers' beam search and no_repeat_ngram_size do. TorchScript's interpreter keeps
+    # one Operation per operator name and input count, so an Operation bound to the first node's
+    # operator ran aten::full as aten::bitwise_and ("Expected Tensor but got Device").
+    def body(model, x, y, i):
+        out = model(x)
+        positive = torch.all(out > 0, dim=-1, keepdim=True) & True
+        done = torch.full((4,), False, dtype=torch.bool)
+        return F.mse_loss(out.masked_fill(positive | done[:, None], 0.0), y)
+
+    (la, pa, _), (lb, pb, (st, fallbacks, phase, text)) = _train(False, body), _train(True, body)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert text.count("terra::boxed_call") >= 2
+    assert st.iterations["coexec"] >= 0.8 * (STEPS - 5), st.iterations
+    assert len(fallbacks) == 0, fallbacks
+
+
 def test_an_op_the_graph_cannot_express_costs_only_its_path(caplog):
     # A new torch.Generator object every 3rd step cannot be baked into a graph. Only the
     # iterations that draw from one run eagerly (from that op on), with the reason; the others
