@@ -46,6 +46,15 @@ const char* message_for(const c10::OperatorHandle& op) {
   return it->second.c_str();
 }
 
+// The autocast key of the device: torch's TensorImpl constructor adds it from a tensor's backend
+// bit, and ours (PrivateUse3) has none. Without it an op whose tensors were all placeholders
+// skipped autocast: under torch.autocast("cpu", torch.bfloat16) cross_entropy's log_softmax,
+// which autocast runs in float32, ran in bfloat16 (eager's casts went missing).
+c10::DispatchKeySet autocast_keys(c10::Device device) {
+  return c10::getAutocastRelatedKeySetFromBackend(
+      c10::toBackendComponent(c10::computeDispatchKey(std::nullopt, std::nullopt, device)));
+}
+
 }  // namespace
 
 PlaceholderImpl::PlaceholderImpl(const TensorMeta& meta, const c10::OperatorHandle& producer)
@@ -53,7 +62,7 @@ PlaceholderImpl::PlaceholderImpl(const TensorMeta& meta, const c10::OperatorHand
 
 PlaceholderImpl::PlaceholderImpl(c10::Storage storage, const TensorMeta& meta,
                                  const c10::OperatorHandle& producer)
-    : c10::TensorImpl(std::move(storage), terra_keyset(), c10::scalarTypeToTypeMeta(meta.dtype)),
+    : c10::TensorImpl(std::move(storage), terra_keyset() | autocast_keys(meta.device), c10::scalarTypeToTypeMeta(meta.dtype)),
       producer_(producer) {
   set_meta(meta);
   // Storage access itself stays allowed: the autograd engine asks a gradient's storage for its
@@ -178,7 +187,7 @@ at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
   // a parameter taken under torch.inference_mode() is an ordinary tensor, which autograd's view
   // kernel (ADInplaceOrView, which runs for such a base) gives a version counter; made like a
   // fresh tensor in that mode it was an inference tensor, and that kernel raised.
-  c10::DispatchKeySet keys = terra_keyset();
+  c10::DispatchKeySet keys = terra_keyset() | autocast_keys(meta.device);
   if (!base.is_inference()) keys = keys | c10::getAutogradRelatedKeySetFromBackend(kTerraBackendBit);
   return at::Tensor(c10::make_intrusive<PlaceholderImpl>(c10::TensorImpl::VIEW, base.unsafeGetTensorImpl()->unsafe_storage(),
                                                          keys, meta, origin));

@@ -77,3 +77,37 @@ def test_inference_mode_left_after_the_call_stays_off():
     with torch.no_grad():
         expected = [net(x).sum().item() for x, _ in _data() * (STEPS // 3)]
     assert outs == expected
+
+
+def test_ops_on_placeholders_alone_are_autocast():
+    """Under torch.autocast an op whose tensors are all placeholders is cast as eager casts it:
+    placeholders carry their device's autocast key (torch adds it from a tensor's backend bit,
+    which for ours gives none). Without it cross_entropy's log_softmax, which autocast runs in
+    float32, ran in bfloat16 on the logits (a placeholder): the loss was bfloat16, and from the
+    first co-executed step every value differed."""
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        model = terra_torch.wrap(net) if terra else net
+        g = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(40):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        terra_torch.synchronize()
+        coexec = terra_torch.stats(model).iterations["coexec"] if terra else None
+        return losses, [p.detach().clone() for p in net.parameters()], coexec
+
+    la, pa, _ = run(False)
+    lb, pb, coexec = run(True)
+    assert all(loss.dtype == torch.float32 for loss in lb), [loss.dtype for loss in lb]
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)), [(float(a), float(b)) for a, b in zip(la, lb)]
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert coexec >= 30
