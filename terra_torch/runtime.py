@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,6 +328,18 @@ class Program:
                 return
             phase = self._region_phase
             self._stats.iterations[phase] += 1
+            unsupported = region.unsupported()
+            if unsupported:
+                # The iteration ran for real from that op on and its trace is incomplete.
+                if phase == "coexec":
+                    self._session.close(region, True)
+                else:
+                    region.close()
+                self.iteration += 1
+                reason = f"{unsupported}; {self.name} runs eagerly"
+                warnings.warn(f"terra_torch: {reason}", stacklevel=3)
+                self.run_eagerly(reason)
+                return
             if phase == "coexec":
                 # (its span, stalls and channel traffic are logged by the session: timeline())
                 diverged = self._session.close(region, partial)

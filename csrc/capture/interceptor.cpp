@@ -189,3 +189,20 @@ size_t install_interceptor() {
 TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&terra::capture::terra_kernel>());
 }
+
+namespace {
+
+// Ops on nested tensors inside a region: our backend bit in the TLS include set makes the
+// dispatcher pick NestedTensorPrivateUse3, which has no kernels. They run as the device's
+// nested kernels, untouched (a region that meets a nested tensor records nothing more,
+// Region::unsupported).
+void nested_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  terra::capture::SuspendGuard suspend;
+  op.redispatchBoxed(ks.remove_backend(terra::capture::kTerraBackendBit), stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse3, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&nested_kernel>());
+}

@@ -191,6 +191,7 @@ void Region::reuse(PyFrameObject* stop_frame) {
   backward_index_ = 0;
   last_loops_.clear();
   raised_.clear();
+  unsupported_.clear();
   handled_ = 0;
   locations_.restart(stop_frame);
 }
@@ -397,8 +398,19 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     Handling() { t_handling = true; }
     ~Handling() { t_handling = false; }
   } handling;
-  for (size_t i = stack->size() - nargs; i < stack->size(); ++i)
-    if ((*stack)[i].isStorage() && adopt_outside_memory(op, ks, stack)) return;
+  if (!unsupported_.empty()) {  // (nested tensors: see unsupported())
+    run_real(op, ks, stack);
+    return;
+  }
+  for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
+    const c10::IValue& v = (*stack)[i];
+    if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
+    if (v.isTensor() && v.toTensor().is_nested()) {
+      stop_capturing(c10::toString(op.operator_name()) + " takes a nested tensor", -1);
+      run_real(op, ks, stack);
+      return;
+    }
+  }
   // Forward ops read the Python stack. On Python 3.11 that needs no GIL once the stack's code
   // objects are known (LocationTracker::walk_without_gil); otherwise the GIL is taken (torch's
   // bindings released it). Lock order is always GIL -> mu_, so a walk that needs the GIL lets
@@ -450,6 +462,14 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
 }
 
+void Region::stop_capturing(std::string why, int32_t index) {
+  // In co-execution the graph is stopped first and every placeholder gets its value: the ops
+  // that follow run for real on them.
+  if (mode_ == Mode::CoExec && hook_ != nullptr) hook_->refuse(index, why);
+  mode_ = Mode::Record;
+  unsupported_ = "nested tensors are not captured (" + why + ")";
+}
+
 int32_t Region::append_record(const OpRecord& rec) {
   std::lock_guard<std::mutex> lock(mu_);
   trace_.ops.push_back(rec);
@@ -473,6 +493,14 @@ void Region::set_produced(const at::Tensor& t, int32_t record, int32_t output) {
 
 void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
                             bool report) {
+  for (size_t r = 0; r < op.schema().returns().size(); ++r) {
+    const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
+    if (v.isTensor() && v.toTensor().is_nested()) {
+      // (torch._nested_tensor_from_mask: nothing after it is recorded, see unsupported())
+      stop_capturing(c10::toString(op.operator_name()) + " gives a nested tensor", report ? index : -1);
+      return;
+    }
+  }
   c10::SmallVector<at::Tensor, 4> flat;
   int32_t k = 0;
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {

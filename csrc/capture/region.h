@@ -53,6 +53,11 @@ class Region {
   // thread (perf: allocation, rehashing, destruction).
   void reuse(PyFrameObject* stop_frame);
   bool is_open() const { return open_; }
+  // Why the program cannot be captured at all (empty if it can): an op took or gave a nested
+  // tensor (nn.TransformerEncoder's fast path in eval), which has no sizes or strides to record.
+  // From then on the region runs every op for real and records nothing; the Python side runs
+  // the program eagerly.
+  const std::string& unsupported() const { return unsupported_; }
 
   Mode mode() const { return mode_; }
   const Trace& trace() const { return trace_; }
@@ -122,6 +127,8 @@ class Region {
   // memory from outside the program: true when it ran, unrecorded, and the tensor became an
   // input from outside (see region.cpp); false: the general path handles it.
   bool adopt_outside_memory(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+  // Sets unsupported() (`why`; `index`: the op's record, or -1), diverging first in co-execution.
+  void stop_capturing(std::string why, int32_t index);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                   c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
@@ -158,6 +165,7 @@ class Region {
   c10::SmallVector<LoopFrame, 2> last_loops_;
   std::vector<uint64_t> raised_;
   int64_t handled_ = 0;
+  std::string unsupported_;
 };
 
 // The region ops are routed to, or nullptr.

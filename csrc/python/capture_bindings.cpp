@@ -108,6 +108,7 @@ void init_capture(py::module_& m) {
       .def("ignore_outermost_loops", [](Region& r) { r.locations().ignore_outermost_loops(true); },
            "The outermost frame runs the training loop: its loops are not program loops")
       .def("close", &Region::close)
+      .def("unsupported", &Region::unsupported)
       .def_property_readonly("is_open", &Region::is_open)
       .def_property_readonly("handled", &Region::handled,
                              "Ops the interceptor brought to this region (replayed records are not among them)")
