@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -138,7 +139,36 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
         model.register_state_dict_pre_hook(sync_all),
         model._register_load_state_dict_pre_hook(sync_all),
     ]
+    # (an instance attribute: copy.deepcopy looks __deepcopy__ up with getattr on the object)
+    model.__deepcopy__ = functools.partial(_copy_unwrapped, model)  # type: ignore[attr-defined]
     return model
+
+
+# What wrap() adds to a module's __dict__ (unwrap() takes them back).
+_WRAPPER_ATTRIBUTES = ("forward", "_terra_program", "_terra_lowering", "_terra_forward", "_terra_handles",
+                       "__deepcopy__")
+
+
+def _copy_unwrapped(model: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """copy.deepcopy of a wrapped module (torch.optim.swa_utils.AveragedModel, an EMA or a
+    "best model" copy): an ordinary module holding what eager's copy would hold, not wrapped. The
+    graph is waited for first, since it may still owe the parameters this iteration's updates;
+    the copy shares nothing with the program (its worker thread, the graph's values)."""
+    program: Program = model._terra_program  # type: ignore[assignment]
+    program.synchronize()
+    if program.evaluation is not None:
+        program.evaluation.synchronize()
+    saved = {k: model.__dict__.pop(k) for k in _WRAPPER_ATTRIBUTES if k in model.__dict__}
+    try:
+        twin = copy.deepcopy(model, memo)
+    finally:
+        model.__dict__.update(saved)
+    if saved.get("_terra_forward") is not None:  # the user's own forward attribute, as eager copies it
+        twin.__dict__["forward"] = saved["_terra_forward"]
+    for handle in saved.get("_terra_handles", ()):
+        twin._state_dict_pre_hooks.pop(handle.id, None)
+        twin._load_state_dict_pre_hooks.pop(handle.id, None)
+    return twin
 
 
 _DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
@@ -195,6 +225,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     for h in model._terra_handles:  # type: ignore[attr-defined]
         h.remove()
     del model._terra_handles  # type: ignore[attr-defined]
+    model.__dict__.pop("__deepcopy__", None)
     # The forward the module had before wrap: its class's, or an instance attribute the user set
     # (DDP's own forward, and its reducer, again when it was lowered).
     own_forward = model.__dict__.pop("_terra_forward", None)

@@ -238,11 +238,11 @@ class Program:
         _programs.add(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # copy.deepcopy(wrapped_model) (an EMA copy, say) and pickling come here: a program owns a
-        # worker thread and the graph's values, which a copy cannot share or duplicate.
+        # Pickling a wrapped module comes here (copy.deepcopy makes an unwrapped copy instead,
+        # api._copy_unwrapped): a program owns a worker thread and the graph's values.
         raise TypeError(f"terra_torch: {self.name} is wrapped by terra_torch, and a wrapped module cannot be "
-                        "copied or pickled; copy or save it before terra_torch.wrap, or terra_torch.unwrap it "
-                        "first (its state_dict() can be saved while wrapped)")
+                        "pickled; save its state_dict() (which can be saved while wrapped), or "
+                        "terra_torch.unwrap it first")
 
     # ---- iteration boundaries -----------------------------------------------------------------
 

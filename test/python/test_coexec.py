@@ -961,8 +961,14 @@ def test_the_boundary_wraps_forward_and_unwrap_gives_back_the_modules_own():
     terra_torch.wrap(plain)
     assert "forward" in plain.__dict__
     import copy
-    with pytest.raises(TypeError, match="cannot be copied or pickled"):
-        copy.deepcopy(plain)  # (an EMA copy would share the program and the graph's values)
+    import pickle
+    copied = copy.deepcopy(plain)  # an ordinary module (an EMA copy): the program is not copied
+    assert "forward" not in copied.__dict__ and getattr(copied, "_terra_program", None) is None
+    assert not copied._state_dict_pre_hooks and not copied._load_state_dict_pre_hooks
+    assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), plain.parameters()))
+    assert plain._terra_program is not None  # the original stays wrapped
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        pickle.dumps(plain)  # (its wrapper functions are local objects; save the state_dict())
     terra_torch.unwrap(plain)
     assert "forward" not in plain.__dict__ and plain.forward.__func__ is nn.Linear.forward
     twin = copy.deepcopy(plain)  # unwrapped, it is a plain module again

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import terra_torch
 from bitwise_runs import check_bitwise
 
 STEPS = 60
@@ -93,3 +94,41 @@ def test_sparse_embedding_gradients_run_eagerly_with_a_warning():
     with pytest.warns(UserWarning, match=r"0 \(Embedding\) makes sparse gradients"):
         st, _ = check_bitwise(make, step, 8)
     assert st.iterations["eager"] == 8, st.iterations
+
+
+def test_averaged_model_of_a_wrapped_model():
+    """torch.optim.swa_utils.AveragedModel (an EMA of the weights) deep-copies the model it is
+    given; for a wrapped model the copy is an ordinary module with eager's values (the graph is
+    waited for first), and the EMA updated every step equals eager's bit for bit."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        model = terra_torch.wrap(net) if terra else net
+        g = torch.Generator().manual_seed(4)
+        data = [(torch.randn(8, 8, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(4)]
+        losses = []
+        ema = None
+        for i in range(50):
+            x, y = data[i % 4]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i == 5:  # made mid-run: the copy must hold the weights after six steps
+                ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            elif ema is not None:
+                ema.update_parameters(model)
+            losses.append(loss.detach())
+        terra_torch.synchronize()
+        coexec = terra_torch.stats(model).iterations["coexec"] if terra else None
+        return losses, [p.detach().clone() for p in ema.parameters()], ema(data[0][0]), coexec
+
+    la, ea, oa, _ = run(False)
+    lb, eb, ob, coexec = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(a, b) for a, b in zip(ea, eb))
+    assert torch.equal(oa, ob)
+    assert coexec >= 35
