@@ -86,8 +86,9 @@ class Graph:
         return self._graph.stats
 
     @property
-    def feeds(self) -> list[tuple[int, int, bool]]:
-        """Per feed slot: (TraceGraph node, input slot, whether Python may send none)."""
+    def feeds(self) -> list[tuple[int, int, bool, bool]]:
+        """Per feed slot: (TraceGraph node, input slot, whether Python may send none, whether
+        the graph may write the fed memory, directly or through a view)."""
         return self._graph.feeds
 
     @property

@@ -26,6 +26,9 @@ struct FeedSlot {
   trace::NodeId node = trace::kNoNode;
   uint32_t input = 0;
   bool optional = false;  // feed_or_none: Python sends "none" when the input was not external
+  // The graph may write the fed memory, directly or through a view (emit/written_feeds.h):
+  // fed as it is, never as a copy.
+  bool written = true;
 };
 
 // Fetch slot k delivers the tensor read by input `input` of the read node `node` (an

@@ -4,6 +4,7 @@
 // carried values. A journal of assignments makes forking O(assignments in the branch) rather
 // than O(variables).
 #include "emit/graph_emitter.h"
+#include "emit/written_feeds.h"
 
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -736,6 +737,7 @@ EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& st
   t0 = Clock::now();
   if (options.optimize) optimize_graph(out.graph);  // lints after the passes
   else if (options.lint) out.graph->lint();
+  mark_written_feeds(out);
   out.stats.optimize_ms = ms(t0);
   out.stats.nodes_after_passes = count_nodes(out.graph->block());
   return out;

@@ -233,7 +233,7 @@ void init_emit(py::module_& m) {
   py::class_<PyGraph>(e, "Graph")
       .def_property_readonly("text", &PyGraph::text)
       .def("__str__", &PyGraph::text)
-      .def_property_readonly("feeds", &PyGraph::feeds, "[(node, input, optional)] per feed slot")
+      .def_property_readonly("feeds", &PyGraph::feeds, "[(node, input, optional, written)] per feed slot")
       .def_property_readonly("fetches", &PyGraph::fetches, "[(node, input, tag)] per fetch slot")
       .def_property_readonly("stats", &PyGraph::stats)
       .def("decisions", &PyGraph::decisions, py::arg("trace"))

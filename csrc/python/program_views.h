@@ -45,10 +45,10 @@ inline pybind11::dict structure_of(const trace::TraceGraph& g, const trace::Prog
   return d;
 }
 
-// [(node, input, optional)] per feed slot and [(node, input, tag)] per fetch slot.
+// [(node, input, optional, written)] per feed slot and [(node, input, tag)] per fetch slot.
 inline pybind11::list feed_table(const emit::EmittedGraph& e) {
   pybind11::list out;
-  for (const auto& f : e.feeds) out.append(pybind11::make_tuple(f.node, f.input, f.optional));
+  for (const auto& f : e.feeds) out.append(pybind11::make_tuple(f.node, f.input, f.optional, f.written));
   return out;
 }
 

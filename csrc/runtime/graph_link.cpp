@@ -3,6 +3,7 @@
 // graph that failed.
 #include "common/clock.h"
 #include "common/spin.h"
+#include "runtime/feed_snapshot.h"
 #include "runtime/python_runner.h"
 
 #include <Python.h>
@@ -74,6 +75,8 @@ bool graph_waits_for(const std::vector<ConcurrentChannel::Post>& pending, int64_
 }  // namespace
 
 void PythonRunner::post(Post p) {
+  if (p.kind == Post::Kind::kFeed && p.tensor.defined())
+    p.tensor = feed_values_.value(p.tensor, emitted_.feeds.at(static_cast<size_t>(p.key)).written);
   pending_.push_back(std::move(p));
   // Batched, so that a graph busy with earlier work is woken once per batch. In a program that
   // waits for the graph (send_early_), a batch goes at once when the graph sits idle waiting for

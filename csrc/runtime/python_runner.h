@@ -26,6 +26,7 @@
 #include "runtime/backward_replay.h"
 #include "emit/captured_program.h"
 #include "emit/emitted_graph.h"
+#include "runtime/feed_snapshot.h"
 #include "runtime/channels.h"
 #include "runtime/graph_runner.h"
 #include "runtime/known_values.h"
@@ -247,6 +248,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<trace::LoopFrame> loops_;  // scratch
   std::vector<uint32_t> copy_;           // scratch: the cursor's copy index
   std::vector<Post> pending_;            // not yet sent (lazy mode: until Python needs data)
+  FeedValues feed_values_;               // a fed tensor or a copy of it (runtime/feed_snapshot.h)
   // The tensors of the feeds sent in each iteration (its number: started_), held here until the
   // graph has finished that iteration. A tensor with a Python object whose last C++ reference
   // other than the object's goes on the worker makes the worker take the GIL there

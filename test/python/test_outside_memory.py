@@ -160,3 +160,96 @@ def test_workers_forked_inside_an_open_iteration_do_not_hang():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SAME True" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "COEXEC 0" not in out.stdout, out.stdout
+
+
+# ---- memory Python writes without an op (runtime/feed_snapshot.h) ---------------------------------
+
+
+def _numpy_buffer_run(terra: bool, how: str, steps: int = STEPS):
+    """A loop that refills one numpy buffer every step (`buf[:] = batch`) and feeds it through
+    torch.from_numpy: once before the loop, each step, or each step through a view. The graph
+    must read each step's batch, not a later one Python wrote before the graph got there."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model, opt = _mlp()
+    if terra:
+        model = terra_torch.wrap(model)
+    rng = np.random.default_rng(0)
+    buf = np.empty((8, 6), dtype=np.float32)
+    once = torch.from_numpy(buf)
+    losses = []
+    for _ in range(steps):
+        buf[:] = rng.standard_normal((8, 6))  # no op: torch does not see this write
+        x = once if how == "once" else torch.from_numpy(buf)
+        if how == "view":
+            x = x[1:]
+        loss = F.cross_entropy(model(x), (x.sum(1) > 0).long())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())  # not read: Python runs ahead of the graph
+    terra_torch.synchronize()
+    stats = terra_torch.stats(model) if terra else None
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("how", ["once", "each", "view"])
+def test_numpy_buffer_refilled_each_step(how):
+    la, pa, _ = _numpy_buffer_run(False, how)
+    lb, pb, stats = _numpy_buffer_run(True, how)
+    assert stats.iterations["coexec"] >= STEPS - 10, stats.iterations
+    assert torch.equal(la, lb), (la - lb).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_feeds_the_graph_writes_are_told_apart():
+    """emit/written_feeds.h: a feed written in place, or through a view, is fed as it is (a copy
+    would hide the write from the numpy array); one only read may be a copy."""
+    from terra_torch import graph as tgraph
+
+    def fn(read, written, through_view):
+        y = read * 2
+        written.add_(1)
+        through_view[0].mul_(3)
+        return y + written.sum() + through_view.sum()
+
+    g = tgraph.build([tgraph.record(fn, *[torch.ones(3, 2) for _ in range(3)])])
+    # Feed slots in program order, each Python number its own: `read` (mul), 2, `written`
+    # (add_), 1, `through_view` (select), 3, `through_view` again (sum).
+    assert [written for *_, written in g.feeds] == [False, False, True, False, True, False, False], g.feeds
+
+
+def test_numpy_memory_the_graph_writes_is_fed_as_it_is():
+    """A tensor over numpy memory, made once, that each step scales in place through a view and
+    then reads whole: that read must see the graph's write, so once the graph writes the memory
+    its feeds are never copies (FeedValues). (A tensor made by torch.from_numpy inside the
+    iteration is read through its lift_fresh, one feed, and does not show this.)"""
+    np = pytest.importorskip("numpy")
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model, opt = _mlp()
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32))
+        big = torch.randn(384, 384, generator=torch.Generator().manual_seed(1)) / 20
+
+        def step() -> torch.Tensor:
+            busy = (big @ big).tanh().mean()  # keeps the graph behind Python
+            x[0].mul_(busy * 0.01 + 0.99)
+            loss = F.cross_entropy(model(x), (x.sum(1) > 0).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        if terra:
+            step = terra_torch.function(step)
+        losses = torch.stack([step() for _ in range(40)])
+        terra_torch.synchronize()
+        stats = terra_torch.stats(step) if terra else None
+        return losses, [p.detach().clone() for p in model.parameters()] + [x.clone()], stats
+
+    la, pa, _ = run(False)
+    lb, pb, stats = run(True)
+    assert stats.iterations["coexec"] >= 30, stats.iterations
+    assert torch.equal(la, lb), (la - lb).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))

@@ -1,0 +1,46 @@
+// Feeds of memory Python can write without an op.
+//
+// The graph reads a fed tensor when it gets there, which in co-execution is later than the
+// Python line that passed it. For memory only torch ops write that is the same value: every
+// write is an op, and ops run in program order on the graph. A tensor over memory torch did not
+// allocate (torch.from_numpy, torch.frombuffer, a DLPack import) can be overwritten by Python
+// without an op, and programs do: one numpy buffer refilled each step (`buf[:] = batch`), fed
+// as `torch.from_numpy(buf)`. The graph then read the next step's batch. Such a feed is a copy
+// made when Python validated the read, which is when eager read it, unless the graph writes
+// that memory (emit/written_feeds.h): a copy would hide the write from the array.
+//
+// Order within the graph matters too: once the graph writes a tensor over such memory (a feed
+// it writes, `x[0].mul_(0.5)`), a later feed over the same memory must see that write, which a
+// copy taken now, before the graph got there, would not. So memory fed to a written slot is fed
+// as it is from then on, while it lives.
+//
+// Not covered: memory torch allocated that Python writes through `t.numpy()` or a data pointer,
+// and memory the graph writes that Python then overwrites before the graph got there
+// (docs/RUNTIME.md, "Memory Python writes without an op").
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <unordered_map>
+
+namespace terra::runtime {
+
+// Memory torch did not allocate and that is not shared memory from another process (a
+// DataLoader worker's batch, which nothing overwrites): a CPU storage without an allocator.
+bool python_writable_memory(const at::Tensor& t);
+
+// What the feeds of one PythonRunner hand the graph. Python thread only.
+class FeedValues {
+ public:
+  // `t` itself, or a copy of its elements now (same sizes, strides and math bits) where Python
+  // may overwrite its memory and the graph does not write it. `graph_writes`: the slot's
+  // FeedSlot::written.
+  at::Tensor value(const at::Tensor& t, bool graph_writes);
+
+ private:
+  // Memory the graph writes (python_writable_memory only: rare), by its StorageImpl; the weak
+  // reference tells a live storage from a new one at the same address.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
+};
+
+}  // namespace terra::runtime
