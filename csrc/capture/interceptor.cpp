@@ -6,6 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "capture/host_filled_tensors.h"
 #include "capture/placeholder.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
@@ -85,7 +86,10 @@ c10::DispatchKeySet factory_keyset(const c10::OperatorHandle& op, const torch::j
 void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   // Unlike terra_kernel, reaching this kernel does not mean our key is on: check the TLS (it is
   // off inside real kernels, under SuspendGuard).
-  bool on = c10::impl::tls_local_dispatch_key_set().included_.has_backend(kTerraBackendBit);
+  // Nor inside a composite kernel that fills a fresh tensor through its data pointer
+  // (capture/host_filled_tensors.h).
+  bool on = c10::impl::tls_local_dispatch_key_set().included_.has_backend(kTerraBackendBit) &&
+            !host_factories_on_this_thread();
   if (Region* region = on ? intercepting_region() : nullptr) {
     region->handle(op, ks, stack);
     return;

@@ -65,6 +65,23 @@ at::Tensor& div__scalar_meta(at::Tensor& self, const at::Scalar& other) {
   return at::meta::div_(self, at::native::wrapped_scalar_tensor(other));
 }
 
+// _ctc_loss_backward has no meta kernel. Its CPU and CUDA kernels return
+// full_like(log_probs, -inf, LEGACY_CONTIGUOUS_MEMORY_FORMAT), then filled (aten/src/ATen/native/
+// LossCTC.cpp, cuda/LossCTC.cu): log_probs' sizes and dtype, contiguous. Without it, every
+// backward through F.ctc_loss waited for the graph.
+at::Tensor ctc_loss_backward_meta(const at::Tensor& /*grad*/, const at::Tensor& log_probs, const at::Tensor& /*targets*/,
+                                  at::IntArrayRef /*input_lengths*/, at::IntArrayRef /*target_lengths*/,
+                                  const at::Tensor& /*neg_log_likelihood*/, const at::Tensor& /*log_alpha*/,
+                                  int64_t /*blank*/, bool /*zero_infinity*/) {
+  return at::compositeexplicitautograd::empty_like(log_probs, {}, at::MemoryFormat::Contiguous);
+}
+at::Tensor ctc_loss_backward_tensor_meta(const at::Tensor& grad, const at::Tensor& log_probs, const at::Tensor& targets,
+                                         const at::Tensor& /*input_lengths*/, const at::Tensor& /*target_lengths*/,
+                                         const at::Tensor& neg_log_likelihood, const at::Tensor& log_alpha,
+                                         int64_t blank, bool zero_infinity) {
+  return ctc_loss_backward_meta(grad, log_probs, targets, {}, {}, neg_log_likelihood, log_alpha, blank, zero_infinity);
+}
+
 // zero_ writes its argument and returns it; zero fits every dtype, so it refuses nothing.
 at::Tensor& zero_meta(at::Tensor& self) { return self; }
 
@@ -227,6 +244,8 @@ const Entry kTable[] = {
     TERRA_META_AS(zeros_like, like_meta),
     TERRA_META_AS(empty_like, like_meta),
     TERRA_META_AS(zero_, zero_meta),
+    TERRA_META_AS(_ctc_loss_backward, ctc_loss_backward_meta),
+    TERRA_META_AS(_ctc_loss_backward_Tensor, ctc_loss_backward_tensor_meta),
     TERRA_META_AS(add_Scalar, add_scalar_meta),
     TERRA_META_AS(sub_Scalar, sub_scalar_meta),
     TERRA_META_AS(mul_Scalar, mul_scalar_meta),

@@ -462,6 +462,17 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
 }
 
+void Region::materialize(c10::ArrayRef<c10::IValue> args) {
+  auto unbacked = [](const c10::IValue& v) { return v.isTensor() && !adopt_if_backed(v.toTensor()); };
+  bool any = false;
+  for (const c10::IValue& v : args) any |= unbacked(v);
+  if (!any) return;
+  TORCH_CHECK(mode_ == Mode::CoExec && hook_ != nullptr,
+              "terra_torch: an op reads the values of placeholder tensors on the host, which placeholder capture "
+              "cannot give");
+  hook_->materialize_inputs(args);
+}
+
 void Region::stop_capturing(std::string why, int32_t index) {
   // In co-execution the graph is stopped first and every placeholder gets its value: the ops
   // that follow run for real on them.

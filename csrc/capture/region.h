@@ -70,6 +70,9 @@ class Region {
 
   // The interceptor's entry: every aten op of the region arrives here.
   void handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+  // Gives the placeholders among `args` their values, for a composite kernel that reads them on
+  // the host (capture/host_filled_tensors.h); raises where no values exist (placeholder mode).
+  void materialize(c10::ArrayRef<c10::IValue> args);
 
   // True on a thread that is inside handle(): an op arriving then was issued by a kernel the
   // region runs for real (an SDPA backward calls aten::transpose through the dispatcher, and
