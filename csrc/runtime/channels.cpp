@@ -168,6 +168,10 @@ void ConcurrentChannel::flush_published(bool wait) {
   if (values_) values_->flush_pending(wait);
 }
 
+void ConcurrentChannel::sweep_values() {
+  if (values_) values_->sweep();
+}
+
 void ConcurrentChannel::attach_values(std::shared_ptr<ValueTable> values) {
   std::lock_guard lock(mu_);
   values_ = std::move(values);

@@ -79,6 +79,8 @@ class ConcurrentChannel final : public emit::ChannelSource {
   // `wait` before the graph waits for Python (a channel op with nothing posted) and at the end
   // of an iteration (the GraphRunner); otherwise only if Python does not hold the table's lock.
   void flush_published(bool wait);
+  // After an iteration: the value table's dead entries go, on the graph thread (ValueTable::sweep).
+  void sweep_values();
   double feed_scalar(int64_t slot) override;
   int64_t feed_int(int64_t slot) override;
 

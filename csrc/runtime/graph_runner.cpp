@@ -90,6 +90,7 @@ struct GraphRunner::State {
       TeamGuardScope team_guard(true);  // small calls on one thread where calibrated (team_guard.h)
       executor->run({});
       channel->flush_published(true);  // the iteration's last values (ValueTable::publish)
+      channel->sweep_values();
       return nullptr;
     } catch (const abi::__forced_unwind&) {
       throw;  // thread cancellation (pthread_exit) must keep unwinding

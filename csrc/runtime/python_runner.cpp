@@ -121,7 +121,6 @@ void PythonRunner::begin_iteration() {
     links_.erase_if([](const c10::TensorImpl*, const Link& link) { return link.expired(); });
     links_pruned_ = links_.size();
   }
-  values_->sweep();
   if (known_.wants_pruning()) known_.prune();
   runner_->start_iteration();
   ++started_;

@@ -1,9 +1,9 @@
 // ValueTable: one mutex, one condition variable (Python waits for the graph to publish).
 //
-// Locking: the graph thread only ever tries mu_ (publish) or takes it where it would wait for
-// Python anyway (flush_pending(true), take): a graph thread asleep on mu_ turns every Python
+// Locking: the graph thread only ever tries mu_ (publish, sweep) or takes it where it would wait
+// for Python anyway (flush_pending(true), take): a graph thread asleep on mu_ turns every Python
 // unlock into a futex wake-up. The Python thread takes it once per kStagedClaims claims and per
-// read or sweep.
+// read.
 //
 // Tensors are never destroyed under mu_: a tensor whose Python object C++ kept alive takes the
 // GIL when it dies, and the Python side may hold the GIL while it waits for mu_.
@@ -262,8 +262,10 @@ std::vector<std::pair<at::Tensor, at::Tensor>> ValueTable::live_values() {
 }
 
 void ValueTable::sweep() {
-  PythonLock python(*this);
-  std::vector<at::Tensor>& dropped = python.dropped;
+  // (The values die after the lock is released, as at publish: destroyed after `lock`.)
+  std::vector<at::Tensor> dropped;
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return;  // Python holds it: the next iteration's sweep (see Locking)
   // Keeps the indices of `list` whose entries may still be needed (in place), drops the rest.
   auto walk = [&](std::vector<int64_t>& list, std::vector<int64_t>* survivors) {
     size_t kept = 0;

@@ -76,10 +76,15 @@ class ValueTable {
   // the holder if it is still alive, else a tensor over its storage that some other tensor
   // (autograd's saved copy of an output, a view) still uses; and the value.
   std::vector<std::pair<at::Tensor, at::Tensor>> live_values();
-  // Drops entries whose holder has died and that both sides have passed: every such entry kept
-  // since the last sweep, and the older ones when they have doubled in number (amortized: the
-  // cost is the entries kept since the last sweep, not the table). The others go as soon as
-  // both sides have passed them (expect, publish).
+  // Graph side, after each iteration (GraphRunner): drops entries whose holder has died and that
+  // both sides have passed: every such entry kept since the last sweep, and the older ones when
+  // they have doubled in number (amortized: the cost is the entries kept since the last sweep,
+  // not the table). The others go as soon as both sides have passed them (expect, publish).
+  // Claims Python has staged but not applied, and a sweep that finds Python holding the lock,
+  // wait for the next sweep. On the Python thread, at
+  // each iteration boundary, the walk and the values' destruction were 2.3% of its
+  // instructions in the `branches` program (callgrind); the graph thread mostly waits for
+  // Python in such programs.
   void sweep();
   // Forgets everything and restarts both counters at 0 (the graph must be stopped).
   void clear();
