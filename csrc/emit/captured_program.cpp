@@ -6,6 +6,7 @@
 #include <c10/core/UndefinedTensorImpl.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -136,7 +137,7 @@ bool is_none_input(const capture::Trace& trace, const capture::OpInput& input) {
 
 trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, size_t num_outputs) {
   trace::OpKey key;
-  key.op = operator_id(rec.op.operator_name());
+  key.op = operator_id(rec.op);
   key.attrs = trace::hash_combine(rec.attributes_hash, layout_hash(trace, rec, num_outputs));
   key.location = rec.location;
   return key;
@@ -151,6 +152,21 @@ bool has_side_effect(const c10::OperatorHandle& op) {
 uint64_t operator_id(const c10::OperatorName& name) {
   uint64_t h = fnv1a(name.name);
   return fnv1a(name.overload_name, fnv1a(".", h));
+}
+
+uint64_t operator_id(const c10::OperatorHandle& op) {
+  struct Slot {
+    const c10::OperatorName* at = nullptr;
+    c10::OperatorName name{"", ""};
+    uint64_t id = 0;
+  };
+  thread_local std::array<Slot, 64> remembered;
+  const c10::OperatorName& name = op.operator_name();
+  Slot& slot = remembered[(reinterpret_cast<uintptr_t>(&name) >> 4) % remembered.size()];
+  // (The name is compared as well, a memcmp: the entry of an operator that was deregistered, a
+  // torch.library op whose Library died, may be reused by another.)
+  if (slot.at != &name || slot.name != name) slot = Slot{&name, name, operator_id(name)};
+  return slot.id;
 }
 
 bool is_read_op(const c10::FunctionSchema& schema) {

@@ -143,6 +143,10 @@ class CapturedProgram {
 
 // The OpKey.op of an operator: a stable 64-bit hash of "ns::name.overload", equal across runs.
 uint64_t operator_id(const c10::OperatorName& name);
+// The same for a handle, remembered per thread by the operator's name object (each op of every
+// co-executed iteration asks: hashing its name again was 0.6% of the Python thread's
+// instructions in the `branches` program).
+uint64_t operator_id(const c10::OperatorHandle& op);
 
 // True for ops whose results Python reads instead of the graph using them: they return values
 // but no tensor (aten::_local_scalar_dense behind .item() and bool(t), aten::equal, ...), and
