@@ -210,18 +210,28 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
   for (const RecipeInput& in : inputs) {
     at::Tensor p;
     if (auto impl = in.impl->lock()) p = at::Tensor(std::move(impl));
-    // The tensor's value now is the one the op read if nothing has written it since.
-    const bool unchanged = p.defined() && p._version() == in.version && !ever_written(p);
+    // The tensor's value now is the one the op read if nothing has written it since. A placeholder
+    // that died since (the temporary `x.mean()` of `x.mean() > 0`) was written only if its
+    // storage was, which the written record says.
+    const bool unchanged = p.defined() ? p._version() == in.version && !ever_written(p)
+                                       : in.placeholder && in.storage.unsafeGetStorageImpl() != nullptr &&
+                                             !was_written(in.storage.unsafeGetStorageImpl());
     at::Tensor value;
     if (!in.placeholder) {
       if (!unchanged) return false;
       value = p;
-    } else if (!(unchanged && resolve(p, value, graph, depth + 1))) {
+    } else if (!unchanged) {
+      // Written since the op read it, and so, possibly, is the graph's value at its index: an
+      // in-place op writes the tensor it published, and a view (`weight.t()` in F.linear) is
+      // published over memory the optimizer updates later. Read after the step, the value of
+      // `loss` came out of the new weight and the old bias (a known copy). The read waits.
+      return false;
+    } else if (!p.defined() || !resolve(p, value, graph, depth + 1)) {
       if (in.index < 0) return false;
       std::optional<at::Tensor> got = graph.published(in.index);
       if (!got) return false;
       value = *got;
-      if (unchanged) learn_value(p, value);
+      if (p.defined()) learn_value(p, value);
     }
     stack[in.arg] = value;
   }
