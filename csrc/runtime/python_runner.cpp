@@ -312,14 +312,31 @@ PythonRunner::Verdict PythonRunner::check_raised(const capture::Region& region, 
                  index);
 }
 
+void PythonRunner::bind_base_first(const at::Tensor& view) {
+  if (!view.is_view()) return;
+  const at::Tensor base(view._base());
+  if (!capture::is_placeholder(base) || capture::adopt_if_backed(base)) return;
+  const auto linked = linked_index(base);
+  if (!linked) return;  // (not covered: the rest of the storage stays as the view's bind leaves it)
+  if (std::optional<at::Tensor> v = values_->value(*linked)) refresh(base, *v);
+}
+
 void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   if (!holder.defined() || !value.defined() || holder.unsafeGetTensorImpl() == value.unsafeGetTensorImpl()) return;
   ++stats_.materialized;
   if (value.has_storage()) channel_->streams().reader_uses(value.storage().data_ptr());  // Python's stream reads it now
   auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
   if (ph != nullptr && !ph->is_bound()) {
-    ph->bind(value);  // (copies through without_broadcast when the placeholder is expanded)
-    return;
+    // A view's value fills only its part of the storage it shares with its base, and the base,
+    // backed then, would be taken for an ordinary tensor holding its value (adopt_if_backed)
+    // with the rest uninitialized: `idx = perm[0:10]` read by an index op, then `perm[10:20]`
+    // in the next iteration indexed with garbage. So the base gets its whole value first.
+    bind_base_first(holder);
+    if (!ph->adopt()) {
+      ph->bind(value);  // (copies through without_broadcast when the placeholder is expanded)
+      return;
+    }
+    // (the base's value is in place; the view's own, newer where it was written in place, follows)
   }
   c10::StorageImpl* storage = holder.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
   if (storage->data() == nullptr && storage->nbytes() > 0) {

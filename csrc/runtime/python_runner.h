@@ -195,6 +195,9 @@ class PythonRunner final : public capture::CoExecHook {
   // co-execution (its rest records real ops) and throws `error`. Placeholders whose values the
   // graph had not computed stay without one.
   [[noreturn]] void recover_from_failure(const std::string& error);
+  // Before a view placeholder is given its value: its base placeholder, when it has one in the
+  // value table, gets its whole value (see refresh).
+  void bind_base_first(const at::Tensor& view);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   // How much of the output sequence a read of `args` waits for (python_runner.cpp).
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;

@@ -11,6 +11,8 @@ which way its reads went; each also writes a tensor the way that would make a sh
 from __future__ import annotations
 
 import random
+
+import pytest
 from typing import Any, Callable
 
 import torch
@@ -300,3 +302,43 @@ def test_loss_read_after_the_step_is_not_computed_from_the_updated_weight():
         terra_log, terra_params = run(True)
         assert terra_log == eager_log
         assert all(torch.equal(a, b) for a, b in zip(eager_params, terra_params))
+
+
+@pytest.mark.parametrize("use", ["getitem", "index_select", "view_rows"])
+def test_batches_indexed_by_slices_of_a_permutation_made_in_an_earlier_iteration(use):
+    """The shuffle idiom `X[perm[i*bs:(i+1)*bs]]` with `perm = torch.randperm(n)` once per epoch:
+    the permutation is a placeholder of the iteration that made it, and the index op, which
+    checks its indices, gives the slice its value. That bound the slice into the storage it
+    shares with `perm`, and `perm`, backed then, passed for an ordinary tensor with the rest of
+    its elements uninitialized: the next slice, in the next iteration, indexed with garbage
+    (IndexError, or silently wrong rows). The index op inside try/except is checked first, which
+    gives its index its value. The base gets its whole value first now
+    (PythonRunner::bind_base_first)."""
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        X = torch.randn(64, 8)
+        model = nn.Linear(8, 1)
+        if terra:
+            model = terra_torch.wrap(model)
+        log = []
+        for _ in range(8):
+            perm = torch.randperm(64)  # made in the iteration that ends the epoch
+            for i in range(2):
+                if use == "view_rows":
+                    idx = perm[:60].view(5, 12)[i]
+                else:
+                    idx = perm[i * 10:(i + 1) * 10]
+                try:  # (guarded: the index op is checked before it runs, Region::check_first)
+                    xb = X.index_select(0, idx) if use == "index_select" else X[idx]
+                except IndexError:
+                    xb = X[:10]
+                log.append(model(xb).sum().detach())
+        terra_torch.synchronize()
+        stats = terra_torch.stats(model) if terra else None
+        return torch.stack(log), stats
+
+    la, _ = run(False)
+    lb, stats = run(True)
+    assert torch.equal(la, lb)
+    assert stats.iterations["coexec"] >= 10, stats.iterations
