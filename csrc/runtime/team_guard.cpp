@@ -16,6 +16,7 @@
 #include <string_view>
 #include <utility>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/env.h"
@@ -384,6 +385,11 @@ void guard_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
   }
 }
 
+// An op that is not guarded but would run its composite kernel here (install_team_guard).
+void go_on_below(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  op.redispatchBoxed(below_guard(ks), stack);
+}
+
 // The guard_kernel instance for an entry of guarded_ops() (whose factors are at 0, 1 or 1, 2).
 torch::CppFunction kernel_for(Guarded g) {
   if (g.first < 0) return torch::CppFunction::makeFromBoxedFunction<&guard_kernel<-1, -1>>();
@@ -407,6 +413,7 @@ bool install_team_guard() {
     fallthrough.fallback(torch::CppFunction::makeFallthrough());
     static torch::Library lib(torch::Library::IMPL, "aten", kGuardKey, __FILE__, __LINE__);
     const auto& table = guarded_ops();
+    std::unordered_set<c10::OperatorName> guarded;
     for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
       if (name.getNamespace() != std::optional<std::string_view>("aten")) continue;
       const std::string base = name.name.substr(6);
@@ -422,6 +429,35 @@ bool install_team_guard() {
       if (g.first >= 0 && (!is_tensor(g.first) || !is_tensor(g.second))) continue;  // (another shape)
       const std::string qualified = name.overload_name.empty() ? base : base + "." + name.overload_name;
       lib.impl(qualified.c_str(), kernel_for(g));
+      guarded.insert(name);
+    }
+    // FPGA is among the keys a CompositeExplicitAutograd(NonFunctional) kernel is registered
+    // for (c10's autogradother_backends), and an op's own kernel there beats the fallthrough
+    // above: every op with such a kernel and a CPU one (add, mul, sum, log_softmax, mse_loss:
+    // the structured ops) ran the composite one on the worker, the default-backend wrapper of
+    // the structured op (meta, then an out= call, twice the dispatch; F.mse_loss's warned "An
+    // output with one or more elements was resized" every iteration), other code than eager's.
+    // A kernel of ours, which goes on below this key, wins over the alias (a per-op fallthrough
+    // is not supported: c10 asserts). Ops whose only kernel is the composite one keep it: it is
+    // what the CPU key runs too.
+    static std::unordered_map<std::string, std::unique_ptr<torch::Library>> libraries;
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (guarded.count(name)) continue;
+      auto op = dispatcher.findOp(name);
+      if (!op || !op->hasSchema()) continue;
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+          !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+        continue;
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) && !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA))
+        continue;
+      const auto ns = name.getNamespace();
+      if (!ns) continue;
+      const std::string ns_str(*ns);
+      auto& ns_lib = libraries[ns_str];
+      if (!ns_lib) ns_lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns_str, kGuardKey, __FILE__, __LINE__);
+      std::string unqualified = name.name.substr(ns_str.size() + 2);
+      if (!name.overload_name.empty()) unqualified += "." + name.overload_name;
+      ns_lib->impl(unqualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&go_on_below>());
     }
     return true;
   }();

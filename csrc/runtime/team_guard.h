@@ -46,7 +46,9 @@
 // torch's uses (Xilinx's support lives out of tree): every op without a kernel of ours falls
 // through it at no cost. A backend key (PrivateUse2, as capture/terra_key.h uses PrivateUse3)
 // cannot fall through: its fallthrough removes the Dense functionality for every backend. Where
-// another library has kernels on FPGA, the guard stays off.
+// another library has kernels on FPGA, the guard stays off. FPGA is, though, among the keys the
+// CompositeExplicitAutograd(NonFunctional) aliases fill, so ops with such a kernel and a CPU one
+// get a kernel of ours that goes on below (install_team_guard); c10 refuses per-op fallthroughs.
 //
 // Locking: the verdicts are per process (workers of several programs share them) behind one
 // mutex, held for a lookup only, never across a kernel; a calibration runs unlocked (two workers

@@ -513,3 +513,48 @@ def test_python_gives_its_openmp_team_back_as_it_enters_coexecution():
     # Through tracing the team is there; from the first co-executed iteration on its idle thread is gone
     for phase, threads in released:
         assert threads == (0 if phase == "coexec" else kept[0][1]), released
+
+
+def test_the_worker_runs_an_ops_cpu_kernel_not_its_composite_one():
+    """The team guard's key (FPGA) is one a CompositeExplicitAutograd(NonFunctional) kernel is
+    registered for, and an op's own kernel beats the guard's fallthrough: on the worker, every
+    such op ran its composite kernel instead of its CPU one. F.mse_loss's is the default-backend
+    wrapper of the structured op, whose out= call warned "An output with one or more elements
+    was resized" in every co-executed iteration (eager never does). Such ops now fall through."""
+    source = textwrap.dedent("""
+        import json, torch, torch.nn.functional as F, terra_torch
+        def run(terra, loss_fn):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(10, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            if terra:
+                model = terra_torch.wrap(model)
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(20):
+                x = torch.randn(16, 10, generator=g)
+                loss = loss_fn(model(x), x[:, :2] * 3)
+                opt.zero_grad(); loss.backward(); opt.step()
+                losses.append(loss.detach())
+            terra_torch.synchronize()
+            coexec = terra_torch.stats(model).iterations["coexec"] if terra else 0
+            return torch.stack(losses), [p.detach().clone() for p in model.parameters()], coexec, \
+                (terra_torch.stats(model).worker_team if terra else None)
+        out = {}
+        for name in ("mse_loss", "smooth_l1_loss"):
+            fn = getattr(F, name)
+            le, pe, _, _ = run(False, fn)
+            lt, pt, coexec, team = run(True, fn)
+            out[name] = {"same": torch.equal(le, lt) and all(torch.equal(a, b) for a, b in zip(pe, pt)),
+                         "coexec": coexec, "guard": team is not None}
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=LIMIT_S,
+                          env=dict(os.environ, TERRA_SPEED_CHECK="0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in out.items():
+        assert r["same"] and r["coexec"] >= 15, (name, r)
+    if not any(r["guard"] for r in out.values()):
+        pytest.skip(f"the team guard is off on this machine (no per-thread BLAS team): {out}")
+    assert "was resized" not in proc.stderr, proc.stderr[-2000:]
