@@ -95,6 +95,7 @@ c10::intrusive_ptr<c10::TensorImpl> PlaceholderImpl::shallow_copy_and_detach(
   if (is_bound())  // an ordinary tensor now: its copies are ordinary tensors too
     return c10::TensorImpl::shallow_copy_and_detach(version_counter, allow_tensor_metadata_change);
   auto copy = c10::make_intrusive<PlaceholderImpl>(unsafe_storage(), meta_of(*this), producer_);
+  if (over_memory_) copy->set_over_memory();
   copy->set_version_counter(version_counter);
   copy->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
   return copy;
@@ -189,8 +190,10 @@ at::Tensor make_placeholder_view(const at::Tensor& base, const TensorMeta& meta,
   // fresh tensor in that mode it was an inference tensor, and that kernel raised.
   c10::DispatchKeySet keys = terra_keyset() | autocast_keys(meta.device);
   if (!base.is_inference()) keys = keys | c10::getAutogradRelatedKeySetFromBackend(kTerraBackendBit);
-  return at::Tensor(c10::make_intrusive<PlaceholderImpl>(c10::TensorImpl::VIEW, base.unsafeGetTensorImpl()->unsafe_storage(),
-                                                         keys, meta, origin));
+  auto view = c10::make_intrusive<PlaceholderImpl>(c10::TensorImpl::VIEW, base.unsafeGetTensorImpl()->unsafe_storage(),
+                                                   keys, meta, origin);
+  if (!is_placeholder(base) || (base_placeholder != nullptr && base_placeholder->over_memory())) view->set_over_memory();
+  return at::Tensor(std::move(view));
 }
 
 void restride_placeholder(const at::Tensor& placeholder, const TensorMeta& meta) {

@@ -36,6 +36,11 @@ class PlaceholderImpl : public c10::TensorImpl {
   // but still carries our key: make it an ordinary tensor too. False if the storage has no data.
   bool adopt();
   bool is_bound() const { return !key_set_.has_backend(kTerraBackendBitForPlaceholders); }
+  // A view made over the memory of a tensor that was no placeholder (a parameter's detach,
+  // torch.from_numpy's lift_fresh): that memory is its value once the graph has run the writes
+  // Python validated, so it is adopted, never given the graph's value (see over_memory_).
+  bool over_memory() const { return over_memory_; }
+  void set_over_memory() { over_memory_ = true; }
   // See restride_placeholder.
   void restride(const TensorMeta& meta);
   const char* tensorimpl_type_name() const override;
@@ -49,6 +54,10 @@ class PlaceholderImpl : public c10::TensorImpl {
  private:
   void set_meta(const TensorMeta& meta);
   c10::OperatorHandle producer_;
+  // The graph's value of such a view can be a copy (a fed numpy buffer, runtime/feed_snapshot.h):
+  // written back, it overwrote what numpy had written there since (`obs += 1`, then
+  // `x.tolist()` put the old batch back into `obs`).
+  bool over_memory_ = false;
 };
 
 // True for a placeholder that has no value yet.

@@ -14,9 +14,9 @@
 // copy taken now, before the graph got there, would not. So memory fed to a written slot is fed
 // as it is from then on, while it lives.
 //
-// Not covered: memory torch allocated that Python writes through `t.numpy()` or a data pointer,
-// and memory the graph writes that Python then overwrites before the graph got there
-// (docs/RUNTIME.md, "Memory Python writes without an op").
+// Python's own views of such memory are adopted, never given the graph's copy
+// (PlaceholderImpl::over_memory). Not covered: memory the graph writes that Python then
+// overwrites before the graph got there (docs/RUNTIME.md, "Memory Python writes without an op").
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -326,6 +326,10 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
   ++stats_.materialized;
   if (value.has_storage()) channel_->streams().reader_uses(value.storage().data_ptr());  // Python's stream reads it now
   auto* ph = dynamic_cast<capture::PlaceholderImpl*>(holder.unsafeGetTensorImpl());
+  if (ph != nullptr && ph->over_memory()) {  // (adopted already, or now)
+    TORCH_CHECK(ph->adopt(), "terra_torch internal error: a view over memory lost its memory");
+    return;  // (its memory is its value: PlaceholderImpl::over_memory)
+  }
   if (ph != nullptr && !ph->is_bound()) {
     // A view's value fills only its part of the storage it shares with its base, and the base,
     // backed then, would be taken for an ordinary tensor holding its value (adopt_if_backed)

@@ -253,3 +253,44 @@ def test_numpy_memory_the_graph_writes_is_fed_as_it_is():
     assert stats.iterations["coexec"] >= 30, stats.iterations
     assert torch.equal(la, lb), (la - lb).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+@pytest.mark.parametrize("how", ["tolist", "numpy_param_write"])
+def test_views_over_numpy_memory_stay_that_memory(how):
+    """An environment's observation buffer updated in place after each step (`obs += 1`), fed as
+    `torch.from_numpy(obs)`. Reading `x` afterwards (`x.tolist()`) gave it the graph's value, a
+    copy of the old batch (FeedValues), written into `obs` itself: the old observation came back
+    and every later step trained on it. A parameter's row zeroed through
+    `weight.detach().numpy()` was lost the same way. Views over the memory of tensors that were
+    no placeholders are adopted, never given the graph's value (PlaceholderImpl::over_memory)."""
+    np = pytest.importorskip("numpy")
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 2)
+        if terra:
+            model = terra_torch.wrap(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        obs = np.zeros(2, np.float32)
+        log = []
+        for step in range(12):
+            x = torch.from_numpy(obs)
+            loss = (model(x.unsqueeze(0)) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            obs += 1.0
+            if how == "numpy_param_write" and step == 5:
+                model.weight.detach().numpy()[0, :] = 0.0
+            log.append(loss.item())
+            if how == "tolist":
+                log.append(x.tolist())
+        terra_torch.synchronize()
+        stats = terra_torch.stats(model) if terra else None
+        return log, model.weight.detach().clone(), obs.copy(), stats
+
+    la, wa, oa, _ = run(False)
+    lb, wb, ob, stats = run(True)
+    assert la == lb
+    assert torch.equal(wa, wb) and (oa == ob).all()
+    assert stats.iterations["coexec"] >= 6, stats.iterations
