@@ -13,24 +13,6 @@
 
 namespace terra::capture {
 
-namespace {
-
-// A placeholder argument without a value. One whose storage has memory (an alias autograd saved
-// of a placeholder that was given its value at a fall back) becomes an ordinary tensor on the
-// way: the kernel that issued this op reads it like any other.
-bool has_placeholder(const torch::jit::Stack& stack, size_t nargs) {
-  auto unbacked = [](const c10::IValue& v) { return v.isTensor() && !adopt_if_backed(v.toTensor()); };
-  for (auto it = stack.end() - nargs; it != stack.end(); ++it) {
-    if (unbacked(*it)) return true;
-    if (it->isTensorList() || it->isOptionalTensorList())
-      for (const c10::IValue& e : it->toListRef())
-        if (unbacked(e)) return true;
-  }
-  return false;
-}
-
-}  // namespace
-
 // The open region, unless this op must go through untouched. Code that steps outside every
 // TorchDispatchMode (torch.tensor() filling its buffer, a mode's own handler) excludes the Python
 // key; we step aside for it too, so that we see exactly the ops a TorchDispatchMode would.
@@ -49,7 +31,9 @@ void intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
     region->handle(op, ks, stack);
     return;
   }
-  TORCH_CHECK(!has_placeholder(*stack, op.schema().arguments().size()), "terra_torch: ",
+  const size_t nargs = op.schema().arguments().size();
+  TORCH_CHECK(!has_unbacked_placeholder(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nargs, nargs)),
+              "terra_torch: ",
               c10::toString(op.operator_name()),
               " received a placeholder tensor outside the capture region that produced it");
   run_real(op, ks, stack);

@@ -164,6 +164,17 @@ bool adopt_if_backed(const at::Tensor& t) {
   return impl != nullptr && impl->adopt();
 }
 
+bool has_unbacked_placeholder(c10::ArrayRef<c10::IValue> args) {
+  auto unbacked = [](const c10::IValue& v) { return v.isTensor() && !adopt_if_backed(v.toTensor()); };
+  for (const c10::IValue& v : args) {
+    if (unbacked(v)) return true;
+    if (v.isTensorList() || v.isOptionalTensorList())
+      for (const c10::IValue& e : v.toListRef())
+        if (unbacked(e)) return true;
+  }
+  return false;
+}
+
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value) {
   auto* impl = dynamic_cast<PlaceholderImpl*>(placeholder.unsafeGetTensorImpl());
   TORCH_CHECK(impl != nullptr, "terra_torch: bind_placeholder needs a placeholder tensor");

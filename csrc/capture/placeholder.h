@@ -65,6 +65,10 @@ bool is_placeholder(const at::Tensor& t);
 // A placeholder whose storage got memory through an alias becomes an ordinary tensor; true if
 // `t` is (now) an ordinary tensor.
 bool adopt_if_backed(const at::Tensor& t);
+// Whether some tensor among `args` (lists included) is a placeholder without a value; the ones
+// whose storage has memory (an alias autograd saved of a placeholder given its value) become
+// ordinary tensors on the way (adopt_if_backed).
+bool has_unbacked_placeholder(c10::ArrayRef<c10::IValue> args);
 // Binds `placeholder` (which must be a PlaceholderImpl) to `value`; see PlaceholderImpl::bind.
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value);
 at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);

@@ -463,10 +463,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 }
 
 void Region::materialize(c10::ArrayRef<c10::IValue> args) {
-  auto unbacked = [](const c10::IValue& v) { return v.isTensor() && !adopt_if_backed(v.toTensor()); };
-  bool any = false;
-  for (const c10::IValue& v : args) any |= unbacked(v);
-  if (!any) return;
+  if (!has_unbacked_placeholder(args)) return;
   TORCH_CHECK(mode_ == Mode::CoExec && hook_ != nullptr,
               "terra_torch: an op reads the values of placeholder tensors on the host, which placeholder capture "
               "cannot give");

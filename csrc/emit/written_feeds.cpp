@@ -42,10 +42,7 @@ class WriteFinder {
       return written(owner->outputs().at(use.offset));
     }
     if (user->kind() == c10::prim::unchecked_cast) return written(user->output());
-    if (user->kind().is_prim() && user->kind() != c10::prim::Return) {
-      // (prim::If's condition is a bool; lists, tuples and the rest are not followed)
-      return user->kind() != c10::prim::If;
-    }
+    if (user->kind().is_prim()) return true;  // (lists, tuples, loops: not followed)
     if (channel_reader(user)) return false;
     const c10::FunctionSchema* schema = user->maybeSchema();
     if (schema == nullptr || user->kind().toQualString() == std::string_view(kBoxedCallOp)) return true;
