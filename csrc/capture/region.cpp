@@ -13,6 +13,7 @@
 
 #include "capture/coexec_hook.h"
 #include "capture/collectives.h"
+#include "capture/explicit_generators.h"
 #include "capture/grad_mode_kernels.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
@@ -290,6 +291,7 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
       }
     }
     if (!is_tensor_like(v)) {
+      note_graph_draws(v);  // (explicit_generators.h)
       rec.attributes.push_back(v);
       rec.attribute_arguments.push_back(static_cast<int16_t>(i));
       h = hash_attribute(h, v, true, generalize);

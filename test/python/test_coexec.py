@@ -625,15 +625,17 @@ def test_h_explicit_generator_object_is_drawn_from_in_program_order():
 
 
 def test_h_another_generator_object_is_a_divergence():
-    # The graph draws from the object it was generated with; an op passed another one must not
-    # run there (it would draw from the wrong stream): a fallback, and the numbers stay eager's.
+    # A generator the graph draws from (bernoulli takes a tensor, so it is recorded and the graph
+    # draws for it) is baked into the graph; an op passed another one must not run there (it
+    # would draw from the wrong stream): a fallback, and the numbers stay eager's.
     def train(terra: bool):
         m, opt = seeded_mlp(terra)
         gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
         losses = []
         for i in range(24):
-            x = torch.randn(4, 8, generator=gens[0 if i < 12 else 1])
-            losses.append(plain_step(m, opt, x, torch.zeros(4, 1)).detach())
+            x, _ = data(i)
+            keep = torch.bernoulli(torch.full((4, 1), 0.7), generator=gens[0 if i < 12 else 1])
+            losses.append(plain_step(m, opt, x, keep).detach())
         reasons = []
         if terra:
             terra_torch.synchronize()
@@ -649,28 +651,79 @@ def test_h_another_generator_object_is_a_divergence():
     assert any("another torch.Generator" in r for r in reasons), reasons
 
 
-def test_explicit_generator_runs_eagerly_and_correctly():
-    # A new generator object every iteration cannot be baked into a graph: the op is unsupported
-    # in the graph (issue 16, item 5), so every iteration falls back there with the reason, and
-    # the program is not turned eager for good by one op.
+def _generator_per_iteration(terra: bool, draw):
+    """Trains 12 steps whose data or mask `draw(g, i)` draws from a new torch.Generator every
+    iteration, seeded from Python; (parameters, stats, fallback reasons or None)."""
+    m, opt = seeded_mlp(terra)
+    for i in range(12):
+        g = torch.Generator().manual_seed(i)
+        x, y = draw(g, i)
+        plain_step(m, opt, x, y)
+    if not terra:
+        return [p.detach().clone() for p in m.parameters()], None, None
+    terra_torch.synchronize()
+    params = [p.detach().clone() for p in m.parameters()]
+    st, fb = terra_torch.stats(m), [f.reason for f in m._terra_program.fallbacks]
+    terra_torch.unwrap(m)
+    return params, st, fb
+
+
+def test_factories_draw_from_a_new_generator_every_iteration_on_python():
+    # torch.utils.data.RandomSampler's idiom (a new generator per epoch, seeded with
+    # manual_seed, then randperm) and per-step data synthesis: a factory that draws from an
+    # explicit generator runs where Python calls it (capture/explicit_generators.h), so a new
+    # object every iteration is no new path, and the program co-executes without a fallback.
+    def draw(g, i):
+        order = torch.randperm(8, generator=g)
+        x = torch.randn(8, 8, generator=g)[order[:4]]
+        return x, torch.rand(4, 1, generator=g)
+
+    (pa, _, _), (pb, st, fb) = _generator_per_iteration(False, draw), _generator_per_iteration(True, draw)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert fb == [] and st.iterations["eager"] == 0 and st.iterations["coexec"] >= 8, (st.iterations, fb)
+
+
+def test_dataloader_shuffle_epochs_stay_in_co_execution():
+    # The loop most programs have: DataLoader(shuffle=True) over a TensorDataset whose size is
+    # no multiple of the batch, several epochs. Each epoch's RandomSampler seeds a new generator
+    # (from the default one, through the graph) and permutes with it; that used to be two
+    # fallbacks per epoch (the new generator object, then the short last batch's path).
+    from torch.utils.data import DataLoader, TensorDataset
+
     def train(terra: bool):
         m, opt = seeded_mlp(terra)
-        for i in range(8):
-            g = torch.Generator().manual_seed(i)
-            x = torch.randn(4, 8, generator=g)
-            plain_step(m, opt, x, torch.zeros(4, 1))
-        if terra:
-            terra_torch.synchronize()
-            st = terra_torch.stats(m)
-            fb = m._terra_program.fallbacks
-            terra_torch.unwrap(m)
-            assert st.iterations["eager"] == 0 and st.iterations["coexec"] > 0, st.iterations
-            assert fb and all("torch.Generator" in f.reason for f in fb), [f.reason for f in fb]
-            assert st.graph_builds == 1
-        return [p.detach().clone() for p in m.parameters()]
+        loader = DataLoader(TensorDataset(torch.randn(60, 8), torch.randn(60, 1)), batch_size=8, shuffle=True)
+        losses = []
+        for _ in range(6):
+            for x, y in loader:
+                losses.append(plain_step(m, opt, x, y).detach())
+        if not terra:
+            return losses, [p.detach().clone() for p in m.parameters()], None
+        terra_torch.synchronize()
+        params, st = [p.detach().clone() for p in m.parameters()], terra_torch.stats(m)
+        terra_torch.unwrap(m)
+        return losses, params, st
 
-    for a, b in zip(train(False), train(True)):
-        assert torch.equal(a, b)
+    (la, pa, _), (lb, pb, st) = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)) and len(la) == len(lb) == 48
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert st.iterations["eager"] == 0 and st.fallbacks <= 2 and st.iterations["coexec"] >= 40, st
+
+
+def test_graph_drawn_generator_new_every_iteration_runs_eagerly_and_correctly():
+    # An op with a tensor argument draws from the new generator in the graph, which cannot bake
+    # in another object every iteration: the op is unsupported in the graph (issue 16, item 5),
+    # so every iteration falls back there with the reason, and the program is not turned eager
+    # for good by one op.
+    def draw(g, i):
+        x, _ = data(i)
+        return x, torch.bernoulli(torch.full((4, 1), 0.5), generator=g)
+
+    (pa, _, _), (pb, st, fb) = _generator_per_iteration(False, draw), _generator_per_iteration(True, draw)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert st.iterations["eager"] == 0 and st.iterations["coexec"] > 0, st.iterations
+    assert fb and all("torch.Generator" in r for r in fb), fb
+    assert st.graph_builds == 1
 
 
 def test_wrap_rejects_bad_input():
