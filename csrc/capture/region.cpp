@@ -455,13 +455,21 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   }
   const bool report = mode_ == Mode::CoExec;
   if (report && co_execute(op, ks, rec, index, args, stack)) return;
+  // A placeholder without memory would be read as a null data pointer. Live placeholders get
+  // their values at a divergence and after a failure of the graph; only values the graph never
+  // computed (it failed first) are missing.
+  TORCH_CHECK(!has_unbacked_placeholder(args), "terra_torch: ", c10::toString(op.operator_name()),
+              " reads a tensor of this iteration whose value was never computed: the graph stopped before it (an "
+              "error raised earlier in this iteration); compute it again");
+  // (args dies with the run: the stack then holds the results)
+  const std::optional<LayoutWitness> witness = layout_witness(op, args);
   try {
     run_real(op, ks, stack);
   } catch (...) {
     drop_raised(op);
     throw;
   }
-  record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec);
+  record_outputs(op, rec, index, stack, report && mode_ == Mode::CoExec, witness ? &*witness : nullptr);
 }
 
 void Region::materialize(c10::ArrayRef<c10::IValue> args) {
@@ -502,7 +510,7 @@ void Region::set_produced(const at::Tensor& t, int32_t record, int32_t output) {
 }
 
 void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
-                            bool report) {
+                            bool report, const LayoutWitness* witness) {
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor() && v.toTensor().is_nested()) {
@@ -512,21 +520,23 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     }
   }
   c10::SmallVector<at::Tensor, 4> flat;
+  const bool collect = report || witness != nullptr;
   int32_t k = 0;
   for (size_t r = 0; r < op.schema().returns().size(); ++r) {
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor()) {
       rec.outputs.emplace_back(MetaOf{v.toTensor()});
       produce(v.toTensor(), index, k++);
-      if (report) flat.push_back(v.toTensor());
+      if (collect) flat.push_back(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) {
         rec.outputs.emplace_back(MetaOf{t});
         produce(t, index, k++);
-        if (report) flat.push_back(t);
+        if (collect) flat.push_back(t);
       }
     }
   }
+  if (witness != nullptr) learn_layouts(*witness, flat);  // (capture/shape_inference.h)
   if (report) hook_->outputs(index, flat);
 }
 

@@ -35,6 +35,7 @@ enum class Mode {
 
 class CoExecHook;
 struct InferredOutputs;
+struct LayoutWitness;
 
 class Region {
  public:
@@ -135,8 +136,10 @@ class Region {
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
                   c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack);
+  // `witness`: the op ran for real with the key taken before; its outputs' layouts are learned
+  // (capture/shape_inference.h, learn_layouts).
   void record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_t index, torch::jit::Stack* stack,
-                      bool report);
+                      bool report, const LayoutWitness* witness = nullptr);
 
   Mode mode_;
   CoExecHook* hook_ = nullptr;

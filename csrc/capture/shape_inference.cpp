@@ -48,6 +48,14 @@ size_t cache_entries = 0;  // under cache_mu
 // trusted only after its entry's full key compares equal.
 constexpr size_t kRecentSlots = 256;
 thread_local std::array<const CacheEntry*, kRecentSlots> t_recent{};
+// Layouts of real runs (learn_layouts), by the same key as the cache: what the real kernel gave
+// each output, where the op has no C++ meta function. Under cache_mu.
+struct LearnedLayout {
+  std::vector<int64_t> key;
+  std::vector<TensorMeta> outputs;  // every tensor output, lists flattened, in order
+};
+std::unordered_map<uint64_t, std::vector<LearnedLayout>> learned;
+size_t layouts_corrected = 0;  // entries a learned layout changed (shape_cache_counts)
 // What misses ran (shape_cache_counts); counted outside the lock, as the meta call runs there.
 std::atomic<size_t> cpp_meta_calls{0}, dispatched_calls{0};
 
@@ -229,11 +237,36 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
   return result;
 }
 
-}  // namespace
+// A real run's layout for the fresh outputs of `result` (those that alias no argument), where
+// the sizes agree: the real kernel's answer wins over the meta kernel's. Under cache_mu.
+// Returns whether it changed anything.
+bool take_layout(InferredOutputs& result, const std::vector<TensorMeta>& real) {
+  bool changed = false;
+  size_t k = 0;
+  for (ReturnSpec& spec : result.returns)
+    for (OutputSpec& out : spec.tensors) {
+      const size_t i = k++;
+      if (out.kind != OutputSpec::Kind::Fresh || i >= real.size() || real[i].sizes != out.meta.sizes) continue;
+      if (real[i].strides == out.meta.strides && real[i].storage_offset == out.meta.storage_offset) continue;
+      // Elements are overwritten in place, never resized: another thread may be reading this
+      // entry without the lock (t_recent), and it reads either stride, each a valid layout.
+      std::copy(real[i].strides.begin(), real[i].strides.end(), out.meta.strides.begin());
+      out.meta.storage_offset = real[i].storage_offset;
+      changed = true;
+    }
+  return changed;
+}
 
-const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  // A cache hit allocates nothing (the key lives on the stack).
-  Key key;
+const LearnedLayout* find_learned(uint64_t h, c10::ArrayRef<int64_t> key) {
+  auto it = learned.find(h);
+  if (it == learned.end()) return nullptr;
+  for (const LearnedLayout& l : it->second)
+    if (c10::ArrayRef<int64_t>(l.key) == key) return &l;
+  return nullptr;
+}
+
+// The cache key of `op` on `args`.
+void build_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Key& key) {
   const c10::FunctionSchema& schema = op.schema();
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
   // The outputs of an op that writes every one of them into an argument (add_, addcdiv_) are
@@ -249,6 +282,14 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
     fresh_output = fresh_output || info == nullptr || !info->isWrite();
   }
   for (const c10::IValue& v : args) key_ivalue(key, v, fresh_output);
+}
+
+}  // namespace
+
+const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  // A cache hit allocates nothing (the key lives on the stack).
+  Key key;
+  build_key(op, args, key);
   const uint64_t h = hash_key(key);
   const CacheEntry*& recent = t_recent[(h ^ (h >> 32)) % kRecentSlots];
   if (recent != nullptr && c10::ArrayRef<int64_t>(recent->key) == c10::ArrayRef<int64_t>(key)) return recent->outputs;
@@ -264,9 +305,35 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   }
   auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
+  if (const LearnedLayout* real = find_learned(h, key); real != nullptr && take_layout(entry->outputs, real->outputs))
+    ++layouts_corrected;
   ++cache_entries;
   recent = entry.get();
   return cache[h].emplace_back(std::move(entry))->outputs;
+}
+
+std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  const c10::FunctionSchema& schema = op.schema();
+  if (schema.returns().empty() || schema.is_mutable() || cpp_meta_function(op) != nullptr) return std::nullopt;
+  for (const c10::Argument& r : schema.returns())
+    if (r.alias_info() != nullptr) return std::nullopt;
+  Key key;
+  build_key(op, args, key);
+  return LayoutWitness{std::vector<int64_t>(key.begin(), key.end())};
+}
+
+void learn_layouts(const LayoutWitness& witness, c10::ArrayRef<at::Tensor> outputs) {
+  std::vector<TensorMeta> real;
+  real.reserve(outputs.size());
+  for (const at::Tensor& t : outputs) real.push_back(t.defined() ? meta_of(t) : TensorMeta{});
+  const uint64_t h = hash_key(witness.key);
+  std::lock_guard<std::mutex> lock(cache_mu);
+  if (find_learned(h, witness.key) != nullptr) return;
+  // An entry made before (a placeholder iteration came first): corrected in place.
+  if (auto it = cache.find(h); it != cache.end())
+    for (const auto& entry : it->second)
+      if (entry->key == witness.key && take_layout(entry->outputs, real)) ++layouts_corrected;
+  learned[h].push_back(LearnedLayout{witness.key, std::move(real)});
 }
 
 size_t shape_cache_size() { return shape_cache_counts().entries; }
@@ -277,6 +344,7 @@ ShapeCacheCounts shape_cache_counts() {
   c.dispatched = dispatched_calls.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(cache_mu);
   c.entries = cache_entries;
+  c.corrected = layouts_corrected;
   return c;
 }
 

@@ -46,6 +46,27 @@ struct InferredOutputs {
 // `args` are the op's arguments as they sit on the dispatcher stack (placeholders or real).
 const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
 
+// Layouts from real runs. torch's meta kernels do not always lay outputs out as the CPU kernels
+// do: a convolution whose input or weight is channels_last gives a channels_last output on CPU
+// but a contiguous one on meta (torch/_meta_registrations.py picks channels_last from the input
+// alone, and only for CUDA from the weight); linalg.svd's Vh is column-major on CPU, row-major on
+// meta. A placeholder with the meta layout made Python decide differently from eager
+// (`flatten` became a view, which then raised in the graph) and changed which kernels ran.
+// While tracing, ops without a C++ meta function (meta_functions.h, whose layouts are the CPU
+// kernels' by construction) note what the real kernel gave under the cache's key; the cache
+// takes that layout for their fresh outputs (those that alias no argument) whenever the sizes
+// agree. Usage, around a real run (Region::handle):
+//     auto witness = layout_witness(op, args);   // before: the key of the arguments as they are
+//     run_real(...);
+//     if (witness) learn_layouts(*witness, outputs);
+struct LayoutWitness {
+  std::vector<int64_t> key;
+};
+// nullopt for ops whose outputs need no witness (a C++ meta function, an alias, a written argument).
+std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+// `outputs`: every tensor output, lists flattened, in order.
+void learn_layouts(const LayoutWitness& witness, c10::ArrayRef<at::Tensor> outputs);
+
 // Number of cached entries (for tests and the benchmark).
 size_t shape_cache_size();
 
@@ -56,6 +77,7 @@ struct ShapeCacheCounts {
   size_t entries = 0;
   size_t cpp_meta = 0;
   size_t dispatched = 0;
+  size_t corrected = 0;  // entries whose layout a real run corrected (learn_layouts)
 };
 ShapeCacheCounts shape_cache_counts();
 

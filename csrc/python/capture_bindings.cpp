@@ -79,6 +79,7 @@ void init_capture(py::module_& m) {
     d["entries"] = c.entries;
     d["cpp_meta"] = c.cpp_meta;
     d["dispatched"] = c.dispatched;
+    d["corrected"] = c.corrected;
     d["cpp_meta_ops"] = capture::cpp_meta_function_names();
     return d;
   }, "What the shape cache's misses ran (C++ meta functions called directly, or the dispatcher's Meta "

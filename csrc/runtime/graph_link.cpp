@@ -166,6 +166,9 @@ void PythonRunner::stop_graph(const std::string& why) {
 void PythonRunner::recover_from_failure(const std::string& error) {
   stop_graph("the graph failed");
   known_.clear();  // what the graph had not computed did not happen
+  // What it had computed did: the program may catch the error and go on with those tensors
+  // (they ran before the op that failed, in program order).
+  for (const auto& [holder, value] : values_->live_values()) refresh(holder, value);
   values_->clear();
   forget_links();
   if (in_iteration_ && !diverged_) {

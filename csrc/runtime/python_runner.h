@@ -191,9 +191,10 @@ class PythonRunner final : public capture::CoExecHook {
   // The channel was found cancelled: waits for the graph's iterations to end and rethrows the
   // error of one that failed, described (returns if none failed: Python cancelled it).
   void surface_failure();
-  // After the graph failed: stop_graph(), clears the value table, ends the open iteration's
-  // co-execution (its rest records real ops) and throws `error`. Placeholders whose values the
-  // graph had not computed stay without one.
+  // After the graph failed: stop_graph(), gives live placeholders the values the graph had
+  // computed, clears the value table, ends the open iteration's co-execution (its rest records
+  // real ops) and throws `error`. Placeholders whose values the graph had not computed stay
+  // without one (an op that reads one raises, Region::handle).
   [[noreturn]] void recover_from_failure(const std::string& error);
   // Before a view placeholder is given its value: its base placeholder, when it has one in the
   // value table, gets its whole value (see refresh).
