@@ -55,6 +55,14 @@ struct LearnedLayout {
   std::vector<TensorMeta> outputs;  // every tensor output, lists flattened, in order
 };
 std::unordered_map<uint64_t, std::vector<LearnedLayout>> learned;
+// The same by the inputs' layouts alone (layout_pattern: sizes left out), for metadata no real
+// run has had yet (an epoch's short last batch seen first in co-execution): each output's order
+// of dimensions, where the real one was dense with distinct strides (else empty).
+struct LearnedOrder {
+  std::vector<int64_t> pattern;
+  std::vector<c10::SmallVector<int64_t, 6>> orders;
+};
+std::unordered_map<uint64_t, std::vector<LearnedOrder>> learned_orders;
 size_t layouts_corrected = 0;  // entries a learned layout changed (shape_cache_counts)
 // What misses ran (shape_cache_counts); counted outside the lock, as the meta call runs there.
 std::atomic<size_t> cpp_meta_calls{0}, dispatched_calls{0};
@@ -257,6 +265,72 @@ bool take_layout(InferredOutputs& result, const std::vector<TensorMeta>& real) {
   return changed;
 }
 
+// Dimensions from the outermost (largest stride) in; ties by position. `strict`: empty unless
+// the layout is dense with distinct strides and no size-1 dimension, so that the order alone
+// gives back the strides (dense_strides).
+c10::SmallVector<int64_t, 6> dim_order(c10::IntArrayRef sizes, c10::IntArrayRef strides, bool strict) {
+  c10::SmallVector<int64_t, 6> order;
+  for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) order.push_back(d);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  if (!strict) return order;
+  int64_t expected = 1;
+  for (auto d = order.rbegin(); d != order.rend(); ++d) {
+    if (sizes[*d] < 2 || strides[*d] != expected) return {};
+    expected *= sizes[*d];
+  }
+  return order;
+}
+
+// A key like build_key's, without sizes or int-list values: the op, each tensor's dtype, device
+// and order of dimensions, and the scalar arguments.
+void build_pattern(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Key& key) {
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
+  auto tensor = [&](const at::Tensor& t) {
+    if (!t.defined()) return key.push_back(-7);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()) * 256 + t.device().index());
+    key.push_back(t.dim());
+    for (int64_t d : dim_order(t.sizes(), t.strides(), false)) key.push_back(d);
+  };
+  for (const c10::IValue& v : args) {
+    key.push_back(static_cast<int64_t>(v.tag));
+    if (v.isTensor()) tensor(v.toTensor());
+    else if (v.isTensorList()) for (const c10::IValue& e : v.toListRef()) tensor(e.toTensor());
+    else if (v.isList()) key.push_back(static_cast<int64_t>(v.toListRef().size()));
+    else if (v.isInt()) key.push_back(v.toInt());
+    else if (v.isBool()) key.push_back(v.toBool());
+  }
+}
+
+// The learned order of each fresh output, for metadata no real run had: dense strides in that
+// order for the meta kernel's sizes. Under cache_mu.
+bool take_order(InferredOutputs& result, const std::vector<c10::SmallVector<int64_t, 6>>& orders) {
+  bool changed = false;
+  size_t k = 0;
+  for (ReturnSpec& spec : result.returns)
+    for (OutputSpec& out : spec.tensors) {
+      const size_t i = k++;
+      if (out.kind != OutputSpec::Kind::Fresh || i >= orders.size() || orders[i].empty() ||
+          orders[i].size() != out.meta.sizes.size() || out.meta.storage_offset != 0)
+        continue;
+      int64_t stride = 1;
+      for (auto d = orders[i].rbegin(); d != orders[i].rend(); ++d) {
+        if (out.meta.strides[*d] != stride) changed = true;
+        out.meta.strides[*d] = stride;
+        stride *= std::max<int64_t>(out.meta.sizes[*d], 1);
+      }
+    }
+  return changed;
+}
+
+const LearnedOrder* find_order(uint64_t h, c10::ArrayRef<int64_t> pattern) {
+  auto it = learned_orders.find(h);
+  if (it == learned_orders.end()) return nullptr;
+  for (const LearnedOrder& l : it->second)
+    if (c10::ArrayRef<int64_t>(l.pattern) == pattern) return &l;
+  return nullptr;
+}
+
 const LearnedLayout* find_learned(uint64_t h, c10::ArrayRef<int64_t> key) {
   auto it = learned.find(h);
   if (it == learned.end()) return nullptr;
@@ -305,8 +379,14 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   }
   auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
-  if (const LearnedLayout* real = find_learned(h, key); real != nullptr && take_layout(entry->outputs, real->outputs))
-    ++layouts_corrected;
+  if (const LearnedLayout* real = find_learned(h, key)) {
+    if (take_layout(entry->outputs, real->outputs)) ++layouts_corrected;
+  } else if (!learned_orders.empty()) {
+    Key pattern;
+    build_pattern(op, args, pattern);
+    const LearnedOrder* order = find_order(hash_key(pattern), pattern);
+    if (order != nullptr && take_order(entry->outputs, order->orders)) ++layouts_corrected;
+  }
   ++cache_entries;
   recent = entry.get();
   return cache[h].emplace_back(std::move(entry))->outputs;
@@ -317,18 +397,26 @@ std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::
   if (schema.returns().empty() || schema.is_mutable() || cpp_meta_function(op) != nullptr) return std::nullopt;
   for (const c10::Argument& r : schema.returns())
     if (r.alias_info() != nullptr) return std::nullopt;
-  Key key;
+  Key key, pattern;
   build_key(op, args, key);
-  return LayoutWitness{std::vector<int64_t>(key.begin(), key.end())};
+  build_pattern(op, args, pattern);
+  return LayoutWitness{std::vector<int64_t>(key.begin(), key.end()), std::vector<int64_t>(pattern.begin(), pattern.end())};
 }
 
 void learn_layouts(const LayoutWitness& witness, c10::ArrayRef<at::Tensor> outputs) {
   std::vector<TensorMeta> real;
+  std::vector<c10::SmallVector<int64_t, 6>> orders;
   real.reserve(outputs.size());
-  for (const at::Tensor& t : outputs) real.push_back(t.defined() ? meta_of(t) : TensorMeta{});
+  for (const at::Tensor& t : outputs) {
+    real.push_back(t.defined() ? meta_of(t) : TensorMeta{});
+    orders.push_back(t.defined() ? dim_order(t.sizes(), t.strides(), true) : c10::SmallVector<int64_t, 6>{});
+  }
   const uint64_t h = hash_key(witness.key);
   std::lock_guard<std::mutex> lock(cache_mu);
   if (find_learned(h, witness.key) != nullptr) return;
+  const uint64_t hp = hash_key(witness.pattern);
+  if (find_order(hp, witness.pattern) == nullptr)
+    learned_orders[hp].push_back(LearnedOrder{witness.pattern, std::move(orders)});
   // An entry made before (a placeholder iteration came first): corrected in place.
   if (auto it = cache.find(h); it != cache.end())
     for (const auto& entry : it->second)

@@ -55,12 +55,16 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
 // While tracing, ops without a C++ meta function (meta_functions.h, whose layouts are the CPU
 // kernels' by construction) note what the real kernel gave under the cache's key; the cache
 // takes that layout for their fresh outputs (those that alias no argument) whenever the sizes
-// agree. Usage, around a real run (Region::handle):
+// agree, and for other sizes under the same input layouts the real run's order of dimensions
+// (where its output was dense). Usage, around a real run (Region::handle):
 //     auto witness = layout_witness(op, args);   // before: the key of the arguments as they are
 //     run_real(...);
 //     if (witness) learn_layouts(*witness, outputs);
 struct LayoutWitness {
   std::vector<int64_t> key;
+  // The arguments' layouts without sizes: the order of dimensions a real run gave is taken for
+  // metadata no real run has had yet (a new batch size seen first in co-execution).
+  std::vector<int64_t> pattern;
 };
 // nullopt for ops whose outputs need no witness (a C++ meta function, an alias, a written argument).
 std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);

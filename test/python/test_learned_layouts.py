@@ -104,3 +104,27 @@ def test_a_layout_learned_after_the_entry_was_made_corrects_it():
     assert out.stride() == (180, 36, 6, 1)  # the meta kernel's layout (shapes no other test uses)
     assert again.stride() == real.stride()
     assert _C.shape_cache_counts()["corrected"] == before + 1
+
+
+def test_a_batch_size_first_seen_in_co_execution_gets_the_learned_order():
+    # New batch sizes appear only after tracing: no real run had their metadata, so the
+    # placeholder takes the order of dimensions the traced runs gave under the same input
+    # layouts (channels_last), not the meta kernel's contiguous layout (the flatten's view then
+    # raised in the graph).
+    def make():
+        m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 5)).to(memory_format=torch.channels_last)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def step(model, opt, i):
+        g = torch.Generator().manual_seed(i)
+        n = 4 if i % 7 else 2 + i // 7
+        x = torch.randn(n, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+        loss = F.cross_entropy(model(x), torch.randint(0, 5, (n,), generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(make, step, 36)
+    assert stats.iterations["coexec"] >= 30 and not fallbacks, (stats.iterations, fallbacks)
