@@ -82,6 +82,27 @@ at::Tensor ctc_loss_backward_tensor_meta(const at::Tensor& grad, const at::Tenso
   return ctc_loss_backward_meta(grad, log_probs, targets, {}, {}, neg_log_likelihood, log_alpha, blank, zero_infinity);
 }
 
+// The samplers and sampler gradients torch.distributions uses that have no meta kernel: each CPU
+// kernel makes its result as at::zeros or at::empty of its first argument's sizes and options,
+// then fills it (aten/src/ATen/native/Distributions.cpp: _s_dirichlet_cpu, _s_binomial_cpu,
+// _standard_gamma_grad_cpu, _dirichlet_grad_cpu). Without them a Beta, Dirichlet or Binomial
+// sample ran for real on the Python side and again in the graph: two draws per sample.
+at::Tensor first_argument_like(const at::Tensor& first) {
+  return at::compositeexplicitautograd::empty_like(first, {}, at::MemoryFormat::Contiguous);
+}
+at::Tensor sample_dirichlet_meta(const at::Tensor& alpha, std::optional<at::Generator> /*generator*/) {
+  return first_argument_like(alpha);
+}
+at::Tensor binomial_meta(const at::Tensor& count, const at::Tensor& /*prob*/, std::optional<at::Generator> /*generator*/) {
+  return first_argument_like(count);
+}
+at::Tensor standard_gamma_grad_meta(const at::Tensor& self, const at::Tensor& /*output*/) {
+  return first_argument_like(self);
+}
+at::Tensor dirichlet_grad_meta(const at::Tensor& x, const at::Tensor& /*alpha*/, const at::Tensor& /*total*/) {
+  return first_argument_like(x);
+}
+
 // zero_ writes its argument and returns it; zero fits every dtype, so it refuses nothing.
 at::Tensor& zero_meta(at::Tensor& self) { return self; }
 
@@ -246,6 +267,10 @@ const Entry kTable[] = {
     TERRA_META_AS(zero_, zero_meta),
     TERRA_META_AS(_ctc_loss_backward, ctc_loss_backward_meta),
     TERRA_META_AS(_ctc_loss_backward_Tensor, ctc_loss_backward_tensor_meta),
+    TERRA_META_AS(_sample_dirichlet, sample_dirichlet_meta),
+    TERRA_META_AS(binomial, binomial_meta),
+    TERRA_META_AS(_standard_gamma_grad, standard_gamma_grad_meta),
+    TERRA_META_AS(_dirichlet_grad, dirichlet_grad_meta),
     TERRA_META_AS(add_Scalar, add_scalar_meta),
     TERRA_META_AS(sub_Scalar, sub_scalar_meta),
     TERRA_META_AS(mul_Scalar, mul_scalar_meta),

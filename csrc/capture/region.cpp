@@ -588,15 +588,17 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     }
     return flat;
   };
-  if (needs_data && (is_collective(op) || writes_an_argument(op))) {
+  const bool draws = op.hasTag(at::Tag::nondeterministic_seeded);
+  if (needs_data && (is_collective(op) || writes_an_argument(op) || draws)) {
     const bool collective = is_collective(op);
     // Run for real here, it would run again in the graph (which holds the node) and its write
-    // would happen twice; a collective run here could overtake the graph's earlier ones (a read
-    // waits only for its own inputs). The rest of the iteration runs eagerly instead, after the
-    // graph has finished what Python validated.
+    // would happen twice, or its random numbers be drawn twice; a collective run here could
+    // overtake the graph's earlier ones (a read waits only for its own inputs). The rest of the
+    // iteration runs eagerly instead, after the graph has finished what Python validated.
     hook_->refuse(index, c10::toString(op.operator_name()) +
                              (collective ? " is a collective co-execution does not lower (capture/collectives.h)"
-                                                : " writes its arguments") +
+                              : draws    ? " draws random numbers"
+                                         : " writes its arguments") +
                              " and has no shape without its data (" + inferred->reason + ")");
     mode_ = Mode::Record;
     return false;

@@ -104,6 +104,10 @@ CASES: dict[str, tuple[Callable[..., Any], tuple]] = {
                            F.interpolate(x, scale_factor=2, mode="nearest"),
                            F.interpolate(x, size=(5, 7), mode="bilinear", align_corners=False),
                            F.adaptive_max_pool2d(x, 3)], (cl(r(2, 3, 6, 6)),)),
+    # torch.distributions' samplers without a meta kernel of torch's (random: only metadata compared)
+    "distribution_samplers": (lambda a, c: [torch._sample_dirichlet(a), torch.binomial(c, c / 20),
+                                            torch._standard_gamma_grad(a, a), torch._dirichlet_grad(a, a, a)],
+                              (t_(r(4, 3).abs() + 0.5), torch.full((3, 4), 10.0).t())),
 }
 
 

@@ -120,3 +120,30 @@ def test_checkpointed_block_with_dropout_co_executes_bitwise(reentrant):
 
     stats = _check(make, step)
     assert stats.iterations["coexec"] >= STEPS - 6, stats.iterations
+
+
+def test_distribution_samples_draw_once():
+    # Beta (Dirichlet underneath), Dirichlet and Binomial sample through ops torch gives no meta
+    # kernel (_sample_dirichlet, binomial; the reparameterized backward: _dirichlet_grad): they ran
+    # for real on the Python side and again in the graph, two draws per sample, and every
+    # co-executed step drew other numbers than eager's. A mixup-style loss on rsample.
+    from torch.distributions import Beta, Binomial, Dirichlet
+
+    def make():
+        m = nn.Linear(6, 3)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        x = torch.randn(8, 6)
+        lam = Beta(torch.tensor([0.4]), torch.tensor([0.4])).sample()
+        weights = Dirichlet(torch.ones(3) * 2).rsample()
+        counts = Binomial(10, torch.full((3,), 0.3)).sample()
+        out = model(lam * x + (1 - lam) * x.flip(0))
+        loss = (out.softmax(-1) * weights).sum() + counts.sum() * 1e-3
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(make, step, 30)
+    assert stats.iterations["coexec"] >= 20 and not fallbacks, (stats.iterations, fallbacks)
