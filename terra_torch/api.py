@@ -122,6 +122,8 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
             warnings.warn(f"terra_torch.wrap: {reason}", stacklevel=2)
             program.synchronize()
             program.run_eagerly(reason)
+        if runtime.stepped_aside_for_transform(program.name):
+            return inner_forward(*args, **kwargs)
         target = program if model.training and torch.is_grad_enabled() else evaluation_program()
         target.begin(runtime._stop_frame(caller))
         return inner_forward(*args, **kwargs)
@@ -257,6 +259,8 @@ def function(fn: F | None = None, *, mode: str = "coexec", optimize: bool | str 
 
         @functools.wraps(f)
         def step(*args: Any, **kwargs: Any) -> Any:
+            if runtime.stepped_aside_for_transform(program.name):
+                return f(*args, **kwargs)
             if folder is not None and not first_call:
                 first_call.append(_warm_start.argument_structure(args, kwargs))
             program.begin(runtime._stop_frame())

@@ -671,6 +671,31 @@ def synchronize_all() -> None:
         p.synchronize()
 
 
+_transform_logged: set[str] = set()
+
+
+def stepped_aside_for_transform(name: str) -> bool:
+    """True, after ending the open iteration, when a torch.func transform (grad, vmap, jvp,
+    functional_call inside one) is running: then the call runs eagerly, outside every capture
+    region. Its ops act on functorch's wrapper tensors, which placeholders cannot stand in for,
+    and functorch refuses the copies that give placeholders their values inside a transform
+    ("in-place operation (aten::copy_) that would mutate a captured Tensor"); so the values are
+    given with functorch's keys off (they are terra's bookkeeping, no op of the program)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    with torch._C._DisableFuncTorch(), _lock:
+        # The open iteration ends here as at a call of another program (Program.begin): whole,
+        # so that its trace counts (a per-step synchronize() would cut every iteration short).
+        if _active is not None and not _forked_child:
+            previous = _active
+            previous.end()
+            previous._session.synchronize(True)
+    if name not in _transform_logged:
+        _transform_logged.add(name)
+        logger.info("%s is called under a torch.func transform: such calls run eagerly", name)
+    return True
+
+
 @atexit.register
 def close_all() -> None:
     """Close every program: each graph finishes its work and the placeholders a program still
