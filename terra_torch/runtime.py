@@ -184,6 +184,7 @@ class Program:
         self.iteration = 0
         self.fallbacks: list[Fallback] = []
         self._stats = Stats()
+        self._other_thread_logged = False  # (begin: a call from a second thread runs eagerly)
         fused = optimize == "fused"
         # Warm start: the folder of the kept program (None: off); the entry itself is named at
         # the first iteration, when the calling code is known (_warm_start.KeptProgram).
@@ -253,6 +254,17 @@ class Program:
             return
         start = time.monotonic_ns()
         with _lock:
+            if _active is not None and _active_thread != threading.get_ident():
+                # One capture region per process (csrc/capture/region.cpp), opened and closed by
+                # its thread, whose dispatch TLS turns interception on: ending it from here
+                # tore both threads' iterations apart (a hang, "reads a value that no earlier
+                # record produced", a double free). This call runs eagerly instead.
+                if not self._other_thread_logged:
+                    self._other_thread_logged = True
+                    logger.warning("%s is called from thread %s while thread %s co-executes %s: calls "
+                                   "from a second thread run eagerly", self.name, threading.current_thread().name,
+                                   _thread_name(_active_thread), _active.name)
+                return
             if _active is not None:
                 previous = _active
                 previous.end()
@@ -657,6 +669,13 @@ class Program:
         self._timeline.instant("fallback", "fallback", PYTHON_RUNNER, args={"line": line, "reason": reason})
         self._monitor.record(self.iteration, line, reason, line)
         return fallback
+
+
+def _thread_name(ident: int) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return str(ident)
 
 
 def active() -> Program | None:
