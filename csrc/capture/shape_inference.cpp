@@ -59,7 +59,7 @@ std::unordered_map<uint64_t, std::vector<LearnedLayout>> learned;
 // run has had yet (an epoch's short last batch seen first in co-execution): each output's order
 // of dimensions, where the real one was dense with distinct strides (else empty).
 struct LearnedOrder {
-  std::vector<int64_t> pattern;
+  std::vector<int64_t> key;  // the pattern (build_pattern)
   std::vector<c10::SmallVector<int64_t, 6>> orders;
 };
 std::unordered_map<uint64_t, std::vector<LearnedOrder>> learned_orders;
@@ -323,19 +323,13 @@ bool take_order(InferredOutputs& result, const std::vector<c10::SmallVector<int6
   return changed;
 }
 
-const LearnedOrder* find_order(uint64_t h, c10::ArrayRef<int64_t> pattern) {
-  auto it = learned_orders.find(h);
-  if (it == learned_orders.end()) return nullptr;
-  for (const LearnedOrder& l : it->second)
-    if (c10::ArrayRef<int64_t>(l.pattern) == pattern) return &l;
-  return nullptr;
-}
-
-const LearnedLayout* find_learned(uint64_t h, c10::ArrayRef<int64_t> key) {
-  auto it = learned.find(h);
-  if (it == learned.end()) return nullptr;
-  for (const LearnedLayout& l : it->second)
-    if (c10::ArrayRef<int64_t>(l.key) == key) return &l;
+// The entry of `table` (keyed by hash, then by the full key in `.key`) for `key`, or nullptr.
+template <class Entry>
+const Entry* find_entry(const std::unordered_map<uint64_t, std::vector<Entry>>& table, c10::ArrayRef<int64_t> key) {
+  auto it = table.find(hash_key(key));
+  if (it == table.end()) return nullptr;
+  for (const Entry& e : it->second)
+    if (c10::ArrayRef<int64_t>(e.key) == key) return &e;
   return nullptr;
 }
 
@@ -379,12 +373,12 @@ const InferredOutputs& infer_outputs(const c10::OperatorHandle& op, c10::ArrayRe
   }
   auto entry = std::make_unique<CacheEntry>(CacheEntry{std::vector<int64_t>(key.begin(), key.end()), run_on_meta(op, args)});
   std::lock_guard<std::mutex> lock(cache_mu);
-  if (const LearnedLayout* real = find_learned(h, key)) {
+  if (const LearnedLayout* real = find_entry(learned, key)) {
     if (take_layout(entry->outputs, real->outputs)) ++layouts_corrected;
   } else if (!learned_orders.empty()) {
     Key pattern;
     build_pattern(op, args, pattern);
-    const LearnedOrder* order = find_order(hash_key(pattern), pattern);
+    const LearnedOrder* order = find_entry(learned_orders, pattern);
     if (order != nullptr && take_order(entry->outputs, order->orders)) ++layouts_corrected;
   }
   ++cache_entries;
@@ -413,9 +407,9 @@ void learn_layouts(const LayoutWitness& witness, c10::ArrayRef<at::Tensor> outpu
   }
   const uint64_t h = hash_key(witness.key);
   std::lock_guard<std::mutex> lock(cache_mu);
-  if (find_learned(h, witness.key) != nullptr) return;
+  if (find_entry(learned, witness.key) != nullptr) return;
   const uint64_t hp = hash_key(witness.pattern);
-  if (find_order(hp, witness.pattern) == nullptr)
+  if (find_entry(learned_orders, witness.pattern) == nullptr)
     learned_orders[hp].push_back(LearnedOrder{witness.pattern, std::move(orders)});
   // An entry made before (a placeholder iteration came first): corrected in place.
   if (auto it = cache.find(h); it != cache.end())

@@ -22,6 +22,13 @@ def _data(i: int, channels_last: bool = True):
     return (x.to(memory_format=torch.channels_last) if channels_last else x), torch.randint(0, 5, (4,), generator=g)
 
 
+def _channels_last_cnn():
+    """Conv -> BatchNorm2d -> ReLU -> Flatten -> Linear, all channels_last, and its optimizer."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(8 * 8 * 8, 5)).to(memory_format=torch.channels_last)
+    return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
 def test_channels_last_conv_output_is_channels_last_in_co_execution():
     # The placeholder's strides are eager's, so Python takes eager's decisions from them.
     strides = {}
@@ -49,11 +56,6 @@ def test_channels_last_cnn_with_batch_norm_and_flatten_trains_bitwise():
     # Conv -> BatchNorm2d -> Flatten -> Linear, all channels_last: with the meta layout, flatten
     # became a view the graph could not take ("aten::view raised in the graph"), and conv with
     # batch norm drifted from eager by ~1e-8 from step 13.
-    def make():
-        m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 8 * 8, 5)).to(memory_format=torch.channels_last)
-        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
     def step(model, opt, i):
         x, y = _data(i)
         loss = F.cross_entropy(model(x), y)
@@ -62,7 +64,7 @@ def test_channels_last_cnn_with_batch_norm_and_flatten_trains_bitwise():
         opt.step()
         return loss.detach(), None
 
-    stats, fallbacks = check_bitwise(make, step, STEPS)
+    stats, fallbacks = check_bitwise(_channels_last_cnn, step, STEPS)
     assert stats.iterations["coexec"] >= STEPS - 6 and not fallbacks, (stats.iterations, fallbacks)
 
 
@@ -111,11 +113,6 @@ def test_a_batch_size_first_seen_in_co_execution_gets_the_learned_order():
     # placeholder takes the order of dimensions the traced runs gave under the same input
     # layouts (channels_last), not the meta kernel's contiguous layout (the flatten's view then
     # raised in the graph).
-    def make():
-        m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 8 * 8, 5)).to(memory_format=torch.channels_last)
-        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
     def step(model, opt, i):
         g = torch.Generator().manual_seed(i)
         n = 4 if i % 7 else 2 + i // 7
@@ -126,5 +123,5 @@ def test_a_batch_size_first_seen_in_co_execution_gets_the_learned_order():
         opt.step()
         return loss.detach(), None
 
-    stats, fallbacks = check_bitwise(make, step, 36)
+    stats, fallbacks = check_bitwise(_channels_last_cnn, step, 36)
     assert stats.iterations["coexec"] >= 30 and not fallbacks, (stats.iterations, fallbacks)
