@@ -415,6 +415,10 @@ std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
       return;
     if (!found || l.index > *found) found = l.index;
   });
+  // The output itself is gone (ReLU's output, consumed by Dropout, in a forward whose backward
+  // runs in the next iteration): its link went with it, but its value is kept while the
+  // storage lives.
+  if (!found) found = values_->index_over_storage(t);
   return found;
 }
 

@@ -198,6 +198,22 @@ std::optional<at::Tensor> ValueTable::value(int64_t index) {
   return e->value;
 }
 
+std::optional<int64_t> ValueTable::index_over_storage(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return std::nullopt;
+  const c10::TensorImpl& want = *t.unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = want.unsafe_storage().unsafeGetStorageImpl();
+  const PythonLock lock(*this);
+  std::optional<int64_t> found;
+  entries_.for_each([&](int64_t index, const Entry& e) {
+    if (!e.storage || e.storage->_unsafe_get_target() != storage || e.storage->expired() || e.retired) return;
+    if (e.options.dtype() != want.dtype() || e.storage_offset != want.storage_offset() ||
+        c10::IntArrayRef(e.sizes) != want.sizes() || c10::IntArrayRef(e.strides) != want.strides())
+      return;
+    if (!found || index > *found) found = index;
+  });
+  return found;
+}
+
 int64_t ValueTable::published() const {
   std::lock_guard lock(mu_);
   return published_;

@@ -61,6 +61,11 @@ class ValueTable {
   std::optional<at::Tensor> take(int64_t index);
   // The graph's value at `index`, if it has been published and kept.
   std::optional<at::Tensor> value(int64_t index);
+  // The newest index kept for a placeholder over `t`'s storage with `t`'s metadata, whose own
+  // TensorImpl may be gone (autograd's copy of a saved output outlives the output: its entry is
+  // kept while the storage lives, see Entry::storage). A search over the table: for the rare
+  // tensor PythonRunner::linked_index finds no link for.
+  std::optional<int64_t> index_over_storage(const at::Tensor& t);
   int64_t published() const;
   // Spins (common/spin.h) until published() >= count, without the lock. True when reached.
   bool spin_published(int64_t count, std::chrono::nanoseconds budget) const;

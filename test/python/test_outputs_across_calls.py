@@ -47,6 +47,29 @@ def test_siamese_loss_over_two_calls_co_executes_bitwise():
     assert not fallbacks, [(f.iteration, f.reason) for f in fallbacks]
 
 
+def test_outputs_that_died_before_the_backward_are_read_from_their_storage():
+    # Two calls per step of a model with ReLU then Dropout, batches of two sizes: the first
+    # call's ReLU output dies once Dropout has consumed it, and the backward (in the second
+    # call's iteration) reads autograd's copy of it. Its link went with the output, so every
+    # other step fell back ("threshold_backward reads a placeholder this program did not make",
+    # 73% co-executed); the value is found by its storage now (ValueTable::index_over_storage).
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))
+        return m, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(model, opt, i):
+        g = torch.Generator().manual_seed(i)
+        loss = model(torch.randn(8, 8, generator=g)).pow(2).mean() + model(torch.randn(24, 8, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(make, step, 40)
+    assert not fallbacks and stats.iterations["coexec"] >= 70, (stats.iterations, [f.reason for f in fallbacks])
+
+
 def test_policy_gradient_over_several_calls_co_executes_bitwise():
     g = torch.Generator().manual_seed(4)
     states = [torch.randn(1, 6, generator=g) for _ in range(8)]
