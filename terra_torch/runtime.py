@@ -261,9 +261,11 @@ class Program:
                 # record produced", a double free). This call runs eagerly instead.
                 if not self._other_thread_logged:
                     self._other_thread_logged = True
+                    owner = _thread_name(_active_thread)
                     logger.warning("%s is called from thread %s while thread %s co-executes %s: calls "
-                                   "from a second thread run eagerly", self.name, threading.current_thread().name,
-                                   _thread_name(_active_thread), _active.name)
+                                   "from a second thread run eagerly (a thread that is done with its models "
+                                   "hands co-execution over by calling terra_torch.synchronize() in %s)",
+                                   self.name, threading.current_thread().name, owner, _active.name, owner)
                 return
             if _active is not None:
                 previous = _active
