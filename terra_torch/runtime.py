@@ -185,6 +185,7 @@ class Program:
         self.fallbacks: list[Fallback] = []
         self._stats = Stats()
         self._other_thread_logged = False  # (begin: a call from a second thread runs eagerly)
+        self._partial_before = False  # (end: the previous traced iteration was cut by synchronize())
         fused = optimize == "fused"
         # Warm start: the folder of the kept program (None: off); the entry itself is named at
         # the first iteration, when the calling code is known (_warm_start.KeptProgram).
@@ -384,7 +385,12 @@ class Program:
                 self._iteration_log.append((self.iteration, phase, self._t0, now))
                 region.close()
                 self._stats.tracing_s += (now - self._t0) / 1e9
-                if partial:
+                # A synchronize() cuts an iteration short, and its trace is left out; but a program
+                # that synchronizes at the same point of every iteration (timing each step) cuts
+                # them all there alike, and left out they never converged: from the second such
+                # iteration in a row, the traces are merged.
+                partial_again, self._partial_before = partial and self._partial_before, partial
+                if partial and not partial_again:
                     self.iteration += 1
                     return
                 covered = self._session.add(region)

@@ -127,3 +127,27 @@ def test_a_difference_at_a_profiler_op_is_described_without_comparing_its_handle
 
     st, _ = check_bitwise(make, step, 12)
     assert st.iterations["coexec"] > 0, st.iterations
+
+
+def test_a_program_that_synchronizes_every_step_co_executes():
+    # terra_torch.synchronize() after every step (timing each step, logging exact values) cuts
+    # every iteration at the same point. Each cut trace was left out, so such a program traced
+    # forever; from the second cut in a row they are merged.
+    from bitwise_runs import check_bitwise
+
+    def make():
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def step(model, opt, i):
+        g = torch.Generator().manual_seed(i)
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 6, generator=g)),
+                                                 torch.randint(0, 3, (8,), generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        terra_torch.synchronize()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(make, step, 30)
+    assert stats.iterations["coexec"] >= 20 and not fallbacks, (stats.iterations, fallbacks)
