@@ -26,7 +26,6 @@ from terra_torch import _C
 
 _CONSTRUCTORS = ("new", "new_tensor")
 _stand_ins: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-_installed = False
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
@@ -50,9 +49,8 @@ def _constructor(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    global _installed
-    if _installed:
-        return
+    """Wrap each constructor once (a wrapped one is left as it is)."""
     for name in _CONSTRUCTORS:
-        setattr(torch.Tensor, name, _constructor(getattr(torch.Tensor, name)))
-    _installed = True
+        original = getattr(torch.Tensor, name)
+        if not hasattr(original, "_terra_original"):
+            setattr(torch.Tensor, name, _constructor(original))

@@ -268,12 +268,7 @@ class Program:
                                    "hands co-execution over by calling terra_torch.synchronize() in %s)",
                                    self.name, threading.current_thread().name, owner, _active.name, owner)
                 return
-            if _active is not None:
-                previous = _active
-                previous.end()
-                if previous is not self:
-                    # Values flow between programs only as real tensors.
-                    previous._session.synchronize(True)
+            _end_open_iteration(self)
             if self._speed_pending is not None and self._last_begin_ns:
                 self._speed_observe(self._speed_pending, (start - self._last_begin_ns) / 1e9)
             self._speed_pending, self._last_begin_ns = None, start
@@ -679,6 +674,18 @@ class Program:
         return fallback
 
 
+def _end_open_iteration(next_program: Program | None) -> None:
+    """Under _lock, on the thread that opened it: end the open iteration whole. Values flow
+    between programs only as real tensors, so unless `next_program` goes on with the same program,
+    every placeholder of the ended one gets its value."""
+    previous = _active
+    if previous is None:
+        return
+    previous.end()
+    if previous is not next_program:
+        previous._session.synchronize(True)
+
+
 def _thread_name(ident: int) -> str:
     for t in threading.enumerate():
         if t.ident == ident:
@@ -713,10 +720,9 @@ def stepped_aside_for_transform(name: str) -> bool:
     with torch._C._DisableFuncTorch(), _lock:
         # The open iteration ends here as at a call of another program (Program.begin): whole,
         # so that its trace counts (a per-step synchronize() would cut every iteration short).
-        if _active is not None and not _forked_child:
-            previous = _active
-            previous.end()
-            previous._session.synchronize(True)
+        # Only by its own thread (see Program.begin): another thread's iteration stays open.
+        if not _forked_child and _active_thread == threading.get_ident():
+            _end_open_iteration(None)
     if name not in _transform_logged:
         _transform_logged.add(name)
         logger.info("%s is called under a torch.func transform: such calls run eagerly", name)

@@ -393,6 +393,10 @@ std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::
     if (r.alias_info() != nullptr) return std::nullopt;
   Key key, pattern;
   build_key(op, args, key);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (find_entry(learned, key) != nullptr) return std::nullopt;  // (each traced iteration asks again)
+  }
   build_pattern(op, args, pattern);
   return LayoutWitness{std::vector<int64_t>(key.begin(), key.end()), std::vector<int64_t>(pattern.begin(), pattern.end())};
 }

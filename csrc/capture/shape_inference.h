@@ -66,7 +66,8 @@ struct LayoutWitness {
   // metadata no real run has had yet (a new batch size seen first in co-execution).
   std::vector<int64_t> pattern;
 };
-// nullopt for ops whose outputs need no witness (a C++ meta function, an alias, a written argument).
+// nullopt for ops whose outputs need no witness (a C++ meta function, an alias, a written argument)
+// or whose layout under this key is learned already.
 std::optional<LayoutWitness> layout_witness(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
 // `outputs`: every tensor output, lists flattened, in order.
 void learn_layouts(const LayoutWitness& witness, c10::ArrayRef<at::Tensor> outputs);
