@@ -1,9 +1,12 @@
 #include "runtime/scalar_arithmetic.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/EmptyTensor.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace terra::runtime {
 
@@ -11,27 +14,36 @@ namespace {
 
 enum class Arith { kAdd, kSub, kMul };
 
+// An op taken: what it computes, and whether it writes self (add_) or returns a new tensor (add).
+struct ArithOp {
+  Arith arith;
+  bool in_place;
+};
+
 // The ops taken, by handle (an OperatorHandle compares by its entry; looked up once).
-std::optional<Arith> arith_of(const c10::OperatorHandle& op) {
+std::optional<ArithOp> arith_of(const c10::OperatorHandle& op) {
   struct Known {
     c10::OperatorHandle handle;
-    Arith arith;
+    ArithOp what;
   };
   static const std::vector<Known> known = [] {
     std::vector<Known> out;
     auto add = [&](const char* name, const char* overload, Arith a) {
-      if (auto h = c10::Dispatcher::singleton().findOp({name, overload})) out.push_back({*h, a});
+      const std::string n(name);
+      if (auto h = c10::Dispatcher::singleton().findOp({name, overload})) out.push_back({*h, {a, n.back() == '_'}});
     };
-    add("aten::add_", "Tensor", Arith::kAdd);
-    add("aten::add_", "Scalar", Arith::kAdd);
-    add("aten::sub_", "Tensor", Arith::kSub);
-    add("aten::sub_", "Scalar", Arith::kSub);
-    add("aten::mul_", "Tensor", Arith::kMul);
-    add("aten::mul_", "Scalar", Arith::kMul);
+    for (const char* overload : {"Tensor", "Scalar"}) {
+      add("aten::add_", overload, Arith::kAdd);
+      add("aten::sub_", overload, Arith::kSub);
+      add("aten::mul_", overload, Arith::kMul);
+      add("aten::add", overload, Arith::kAdd);
+      add("aten::sub", overload, Arith::kSub);
+      add("aten::mul", overload, Arith::kMul);
+    }
     return out;
   }();
   for (const Known& k : known)
-    if (k.handle == op) return k.arith;
+    if (k.handle == op) return k.what;
   return std::nullopt;
 }
 
@@ -98,23 +110,25 @@ T apply(Arith a, T x, T y) {
   return x;
 }
 
-// self = self (op) other, in self's memory.
+// out = self (op) other; `out` may be self.
 template <typename T>
-void update(const at::Tensor& self, Arith a, const c10::Scalar& other) {
-  T* p = self.data_ptr<T>();
-  *p = apply(a, *p, cast_to<T>(other));
+void update(const at::Tensor& out, const at::Tensor& self, Arith a, const c10::Scalar& other) {
+  *out.data_ptr<T>() = apply(a, *self.const_data_ptr<T>(), cast_to<T>(other));
 }
 
 }  // namespace
 
 bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
-  const std::optional<Arith> arith = arith_of(op);
-  if (!arith) return false;
+  const std::optional<ArithOp> what = arith_of(op);
+  if (!what) return false;
+  const Arith arith = what->arith;
   const size_t nargs = op.schema().arguments().size();  // self, other[, alpha]
   if (stack.size() != nargs || !stack[0].isTensor()) return false;
   const at::Tensor& self = stack[0].toTensor();
   const at::ScalarType dtype = self.scalar_type();
   if (!one_element_cpu(self) || (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kLong)) return false;
+  // (A functional op's self that is itself a Python number would promote by other rules.)
+  if (!what->in_place && self.unsafeGetTensorImpl()->is_wrapped_number()) return false;
   if (nargs == 3) {
     if (!stack[2].isScalar()) return false;
     const c10::Scalar alpha = stack[2].toScalar();
@@ -124,14 +138,18 @@ bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& sta
   }
   const std::optional<c10::Scalar> other = other_operand(self, stack[1]);
   if (!other) return false;
+  // The functional op's result: a new tensor of self's sizes and dtype (the other operand neither
+  // broadcasts nor promotes), laid out as TensorIterator lays out a one-element output.
+  const at::Tensor out =
+      what->in_place ? self : at::Tensor(at::detail::empty_cpu(self.sizes(), dtype, /*pin_memory=*/false, std::nullopt));
   switch (dtype) {
-    case at::kFloat: update<float>(self, *arith, *other); break;
-    case at::kDouble: update<double>(self, *arith, *other); break;
-    default: update<int64_t>(self, *arith, *other); break;
+    case at::kFloat: update<float>(out, self, arith, *other); break;
+    case at::kDouble: update<double>(out, self, arith, *other); break;
+    default: update<int64_t>(out, self, arith, *other); break;
   }
-  c10::IValue out = std::move(stack[0]);  // (the op returns self)
+  c10::IValue result(out);  // (an in-place op returns self)
   stack.clear();
-  stack.push_back(std::move(out));
+  stack.push_back(std::move(result));
   return true;
 }
 

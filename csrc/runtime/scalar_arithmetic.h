@@ -1,6 +1,7 @@
 // One-element arithmetic without the dispatcher: how KnownValues::follow runs the in-place
 // add/sub/mul that advance an optimizer's step counter (`step_t += 1` in every single-tensor
-// torch.optim step) on its copy of the counter.
+// torch.optim step) on its copy of the counter, and the functional add/sub/mul of running
+// averages (`avg = 0.9 * avg + 0.1 * loss` once the loss was read).
 //
 // Through the dispatcher that one-element op cost ~3 us on the Python thread, 5% of a co-executed
 // Adam MLP step (perf, benchmarks.coexec_profile), and 84% of that was TensorIterator's setup
@@ -14,9 +15,13 @@
 // Python number or a same-dtype tensor. With alpha == 1 ATen's `a + alpha * b` (fused or not) is
 // the single rounding of a + b, and a - b is a + (-1) * b. Integers wrap as the kernel's do.
 // Anything else (another alpha, dtype, device, layout or shape, a broadcast, a conjugate or
-// negative bit) is not taken: the caller runs the op as before.
+// negative bit) is not taken: the caller runs the op as before. The functional ops return a new
+// contiguous tensor of self's sizes and dtype, as TensorIterator does when neither operand
+// broadcasts nor promotes (the same conditions); their result was 2.5% of the Python thread on
+// the branches benchmark program through the dispatcher.
 //
-//   stack: [self copy, other, (alpha)]  ->  [self copy]      (self's bytes updated)
+//   stack: [self copy, other, (alpha)]  ->  [self copy]      (in place: self's bytes updated)
+//   stack: [self copy, other, (alpha)]  ->  [new tensor]     (functional)
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

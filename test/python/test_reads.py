@@ -267,6 +267,42 @@ def test_step_counters_advanced_in_place_are_known_bit_for_bit():
     assert runner["known_reads"] >= 3 * (STEPS - 2 * WARMUP), runner
 
 
+def test_running_averages_of_read_values_are_known_bit_for_bit():
+    """`avg = 0.9 * avg + 0.1 * loss` after the loss was read: the functional add/sub/mul of
+    one-element tensors Python knows are also followed without the dispatcher
+    (runtime/scalar_arithmetic.h), and reading the average must give eager's bits. Beside the
+    cases taken (float32, float64, int64; Python floats and ints; a same-dtype 0-dim tensor),
+    cases it must leave to ATen because the result promotes or broadcasts: int64 * 0.5 (float),
+    float32 + float64 tensor (float64), a 1-element vector + a 0-dim tensor, alpha != 1."""
+    rng = random.Random(5)
+    scales = [rng.choice([0.9, 1.0 / 3.0, 1e-7, 2.5e30]) * rng.uniform(0.5, 2.0) for _ in range(STEPS)]
+
+    def step(model, opt, state, i):
+        loss = train_step(model, opt, DATA[i % 6], i)
+        if "f64" not in state:
+            state["f64"] = torch.tensor(0.25, dtype=torch.float64)
+            state["i64"] = torch.tensor(7)
+            state["vec"] = torch.tensor([0.5])
+        seen = loss.detach()
+        state["log"].append(seen.item())  # the loss is known from here on
+        avg = 0.9 * state["avg"] + 0.1 * seen
+        avg = avg - scales[i] * 1e-9
+        avg = avg * (1 + i % 3) + seen
+        state["avg"] = avg
+        f64 = state["f64"] * scales[i] + 1
+        state["f64"] = f64 - 2 * (f64 * 1e-3)
+        state["i64"] = state["i64"] * 3 - (i % 5) + 2**33
+        mixed = state["f64"] + seen  # promotes to float64
+        halves = state["i64"] * 0.5  # promotes to float
+        vec = state["vec"] + seen  # broadcasts to [1]
+        scaled = torch.add(seen, state["avg"], alpha=0.5)  # alpha != 1
+        state["log"] += [state["avg"].item(), state["f64"].item(), state["i64"].item(), mixed.item(),
+                         halves.item(), vec.item(), scaled.item(), str(mixed.dtype), str(halves.dtype)]
+
+    runner = check(step)
+    assert runner["known_reads"] >= 8 * (STEPS - 2 * WARMUP), runner
+
+
 def test_loss_read_after_the_step_is_not_computed_from_the_updated_weight():
     """`loss.item()` after `opt.step()`, with the graph given time to run the step first. In the
     first co-executed iteration the loss's recipe (huber_loss over the linear layer's output,
