@@ -132,10 +132,10 @@ class KnownValues {
   // (Each table is walked when it has doubled since its last pruning: a program may keep many
   // alive, and a walk per iteration would cost as much as they.)
   bool wants_pruning() const {
-    return known_.size() > 2 * pruned_known_ + 64 || recipes_.size() > 2 * pruned_recipes_ + 64 ||
-           written_.size() > 2 * pruned_written_ + 4096;
+    return known_.size() > 2 * pruned_known_ + kPruneSlack || recipes_.size() > 2 * pruned_recipes_ + kPruneSlack ||
+           written_.size() > 2 * pruned_written_ + kWrittenPruneSlack;
   }
-  // Drops the entries of tensors that died.
+  // Drops the entries of tensors that died, from each table that wants it.
   void prune();
   bool empty() const { return known_.empty(); }
   size_t size() const { return known_.size(); }
@@ -189,6 +189,7 @@ class KnownValues {
   // The storage of every tensor a co-executed op wrote, views included, held weakly: a storage
   // that died frees its address for a fresh tensor. Bounded; past the bound nothing is fresh.
   static constexpr size_t kMaxWritten = 1 << 20;
+  static constexpr size_t kPruneSlack = 64, kWrittenPruneSlack = 4096;  // (wants_pruning)
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
   std::vector<const c10::TensorImpl*> unsettled_;
   common::FlatMap<const c10::TensorImpl*, Recipe> recipes_;  // by output
