@@ -20,7 +20,10 @@ blocks settle for 50 ms like eager ones (terra_torch/_speed.py). A program marke
 terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
 times `--steps` steps and prints one JSON line. `--threads N` sets torch's intra-op threads in
-every child (1 by default; torch's own default is one per core).
+every child (1 by default; torch's own default is one per core). `terra:TERRA_AB_ROOT=/path` runs that
+variant from another checkout (its `terra_torch` and built extension, its benchmark programs): a
+change against the build before it, in the same interleaved rounds (a `git worktree` of the old
+commit with the old build's `terra_torch/_C*.so` copied in).
 """
 
 from __future__ import annotations
@@ -104,10 +107,11 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def run_child(program: str, variant: str, warmup: int, steps: int, threads: int = 1) -> dict:
     runner, settings = parse_variant(variant)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    root = Path(settings.get("TERRA_AB_ROOT", ROOT))  # another checkout with its own build
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TERRA_SPEED_CHECK="1" if settings.get("TERRA_AB_SPEED_CHECK") == "1" else "0",
                TERRA_AB_THREADS=str(threads), **settings)
-    done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=root,
                           env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{program} / {variant} failed:\n{done.stderr[-2000:]}")
