@@ -8,6 +8,7 @@
 #include "capture/region.h"
 #include "capture/terra_key.h"
 #include "capture/interceptor.h"
+#include "capture/placeholder.h"
 
 namespace terra::capture {
 
@@ -51,6 +52,22 @@ void ctc_loss_lists(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 void ctc_loss_tensors(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   run_composite({2, 3}, op, ks, stack);  // input_lengths, target_lengths
 }
+// `p.data = new` (torch's set_data, VariableHooks::set_data) asks this op whether `p` may take
+// `new`'s storage and metadata. A placeholder has no storage to take yet: it gets its value, and
+// once it has one it is an ordinary tensor of its device (PlaceholderImpl::adopt), as `new` would
+// be in eager. Old-style SGD, `p.data = p.data - lr * p.grad.data`, raised "incompatible tensor
+// type" in co-execution.
+void has_compatible_shallow_copy_type(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                                      torch::jit::Stack* stack) {
+  const size_t nargs = op.schema().arguments().size();
+  if (Region* region = intercepting_region()) {
+    region->note_data_replaced((*stack)[stack->size() - nargs].toTensor());
+    const c10::SmallVector<c10::IValue, 2> both(stack->end() - nargs, stack->end());
+    region->materialize(both);
+  }
+  for (size_t i = stack->size() - nargs; i < stack->size(); ++i) adopt_if_backed((*stack)[i].toTensor());
+  run_composite({}, op, ks, stack);
+}
 void pad_packed_sequence(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   run_composite({1}, op, ks, stack);  // batch_sizes
 }
@@ -65,4 +82,6 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse3, m) {
   m.impl("ctc_loss.IntList", torch::CppFunction::makeFromBoxedFunction<&terra::capture::ctc_loss_lists>());
   m.impl("ctc_loss.Tensor", torch::CppFunction::makeFromBoxedFunction<&terra::capture::ctc_loss_tensors>());
   m.impl("_pad_packed_sequence", torch::CppFunction::makeFromBoxedFunction<&terra::capture::pad_packed_sequence>());
+  m.impl("_has_compatible_shallow_copy_type",
+         torch::CppFunction::makeFromBoxedFunction<&terra::capture::has_compatible_shallow_copy_type>());
 }

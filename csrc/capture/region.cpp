@@ -408,7 +408,8 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
     if (v.isTensor() && v.toTensor().is_nested()) {
-      stop_capturing(c10::toString(op.operator_name()) + " takes a nested tensor", -1);
+      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " takes a nested tensor)",
+                     -1);
       run_real(op, ks, stack);
       return;
     }
@@ -485,7 +486,26 @@ void Region::stop_capturing(std::string why, int32_t index) {
   // that follow run for real on them.
   if (mode_ == Mode::CoExec && hook_ != nullptr) hook_->refuse(index, why);
   mode_ = Mode::Record;
-  unsupported_ = "nested tensors are not captured (" + why + ")";
+  unsupported_ = std::move(why);
+}
+
+void Region::note_data_replaced(const at::Tensor& self) {
+  struct Handling {  // (as in handle(): what refuse() runs is not intercepted)
+    Handling() { t_handling = true; }
+    ~Handling() { t_handling = false; }
+  } handling;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!unsupported_.empty() || !self.defined()) return;
+  if (is_placeholder(self)) {
+    stop_capturing("`.data` of a tensor this iteration computed was replaced (torch's set_data), which no op records",
+                   -1);
+    return;
+  }
+  // `self` keeps its TensorImpl and takes the other tensor's storage and metadata: what the
+  // produced table knew of it by address (an op that wrote it in place, a backward view it
+  // equalled) no longer holds. Its next reads find the new value through the storage (an output
+  // of this region) or read it as an input from outside, fed with what it holds then.
+  produced_.erase(self.unsafeGetTensorImpl());
 }
 
 int32_t Region::append_record(const OpRecord& rec) {
@@ -515,7 +535,8 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor() && v.toTensor().is_nested()) {
       // (torch._nested_tensor_from_mask: nothing after it is recorded, see unsupported())
-      stop_capturing(c10::toString(op.operator_name()) + " gives a nested tensor", report ? index : -1);
+      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " gives a nested tensor)",
+                     report ? index : -1);
       return;
     }
   }

@@ -74,6 +74,12 @@ class Region {
   // Gives the placeholders among `args` their values, for a composite kernel that reads them on
   // the host (capture/host_filled_tensors.h); raises where no values exist (placeholder mode).
   void materialize(c10::ArrayRef<c10::IValue> args);
+  // torch's set_data (`self.data = new`) is about to give `self` another tensor's storage and
+  // metadata, which no op records. A placeholder stops the region's capture (the program runs
+  // eagerly, with the reason). Any other tensor (a parameter, a buffer, a tensor this region
+  // computed for real) is forgotten by address: its next reads find `new`'s value through the
+  // storage, or read it as an input from outside.
+  void note_data_replaced(const at::Tensor& self);
 
   // True on a thread that is inside handle(): an op arriving then was issued by a kernel the
   // region runs for real (an SDPA backward calls aten::transpose through the dispatcher, and
@@ -131,7 +137,7 @@ class Region {
   // memory from outside the program: true when it ran, unrecorded, and the tensor became an
   // input from outside (see region.cpp); false: the general path handles it.
   bool adopt_outside_memory(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
-  // Sets unsupported() (`why`; `index`: the op's record, or -1), diverging first in co-execution.
+  // Sets unsupported() to `why` (`index`: the op's record, or -1), diverging first in co-execution.
   void stop_capturing(std::string why, int32_t index);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,
