@@ -13,6 +13,11 @@
 // read as an input from outside, exactly as if torch.tensor() had made it (HostFactories). Every
 // other op inside is intercepted as usual.
 //
+// The same slot holds `_has_compatible_shallow_copy_type`, which torch's set_data
+// (`p.data = tensor`) asks before it gives `p` the tensor's storage: a placeholder gets its value
+// first and becomes an ordinary tensor, and the region forgets what it knew of `p` by address
+// (Region::note_data_replaced).
+//
 // Example: F.ctc_loss(lp, targets, [12, 12], [4, 3]) in co-execution records
 //     _ctc_loss(lp, targets, [12, 12], [4, 3])   (the lists are scalars the graph is fed)
 //     clamp_min(<external: tensor([4, 3])>, 1)   (at::tensor's empty() is not recorded)
