@@ -363,6 +363,20 @@ namespace {
 // The thread is inside Region::handle (see Region::handling_on_this_thread).
 thread_local bool t_handling = false;
 
+// While alive, the ops this thread issues are the region's own work or kernels it runs for real:
+// the interceptor lets them through (intercepting_region), so mu_ is never taken twice by one
+// thread. Restores the previous state on every path.
+class HandlingOnThisThread {
+ public:
+  HandlingOnThisThread() : before_(t_handling) { t_handling = true; }
+  ~HandlingOnThisThread() { t_handling = before_; }
+  HandlingOnThisThread(const HandlingOnThisThread&) = delete;
+  HandlingOnThisThread& operator=(const HandlingOnThisThread&) = delete;
+
+ private:
+  bool before_;
+};
+
 // The GIL for the location walk, released on every path (an exception thrown while it is held
 // would leave the main thread holding it, and the autograd engine's gil_scoped_release waits
 // for it forever).
@@ -394,12 +408,7 @@ bool Region::handling_on_this_thread() { return t_handling; }
 
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t nargs = op.schema().arguments().size();
-  // Our own work, and the kernels we run for real, never come back here: the interceptor lets
-  // their ops through (handling_on_this_thread), so mu_ is never taken twice by one thread.
-  struct Handling {
-    Handling() { t_handling = true; }
-    ~Handling() { t_handling = false; }
-  } handling;
+  const HandlingOnThisThread handling;  // (our own work and the kernels we run never come back here)
   if (!unsupported_.empty()) {  // (nested tensors: see unsupported())
     run_real(op, ks, stack);
     return;
@@ -490,10 +499,7 @@ void Region::stop_capturing(std::string why, int32_t index) {
 }
 
 void Region::note_data_replaced(const at::Tensor& self) {
-  struct Handling {  // (as in handle(): what refuse() runs is not intercepted)
-    Handling() { t_handling = true; }
-    ~Handling() { t_handling = false; }
-  } handling;
+  const HandlingOnThisThread handling;  // (what refuse() runs is not intercepted)
   std::lock_guard<std::mutex> lock(mu_);
   if (!unsupported_.empty() || !self.defined()) return;
   if (is_placeholder(self)) {
