@@ -62,6 +62,11 @@ class CoExecHook {
   // `t`, a placeholder of this iteration without elements, received memory from outside the
   // program (Region::adopt_outside_memory): it is an input from outside now, linked to no value.
   virtual void outside_memory(const at::Tensor& t) = 0;
+  // torch's set_data is about to give the real tensor `self` the storage of `from` (which has its
+  // value): the graph must first run every op posted so far (an op it has not run yet would read
+  // `self` through the same TensorImpl, and find the new storage), and both are inputs from
+  // outside from then on, linked to no value (Region::note_data_replaced).
+  virtual void storage_replaced(const at::Tensor& self, const at::Tensor& from) = 0;
 
   // A read Python may answer itself (runtime/known_values.h): `out` is `args` with every tensor
   // replaced by its known value; false if some tensor has none. Then the op runs on them instead

@@ -61,9 +61,9 @@ void has_compatible_shallow_copy_type(const c10::OperatorHandle& op, c10::Dispat
                                       torch::jit::Stack* stack) {
   const size_t nargs = op.schema().arguments().size();
   if (Region* region = intercepting_region()) {
-    region->note_data_replaced((*stack)[stack->size() - nargs].toTensor());
     const c10::SmallVector<c10::IValue, 2> both(stack->end() - nargs, stack->end());
     region->materialize(both);
+    region->note_data_replaced(both[0].toTensor(), both[1].toTensor());
   }
   for (size_t i = stack->size() - nargs; i < stack->size(); ++i) adopt_if_backed((*stack)[i].toTensor());
   run_composite({}, op, ks, stack);

@@ -15,8 +15,8 @@
 //
 // The same slot holds `_has_compatible_shallow_copy_type`, which torch's set_data
 // (`p.data = tensor`) asks before it gives `p` the tensor's storage: a placeholder gets its value
-// first and becomes an ordinary tensor, and the region forgets what it knew of `p` by address
-// (Region::note_data_replaced).
+// first and becomes an ordinary tensor, and both become inputs from outside once the graph has
+// run what was posted before (Region::note_data_replaced).
 //
 // Example: F.ctc_loss(lp, targets, [12, 12], [4, 3]) in co-execution records
 //     _ctc_loss(lp, targets, [12, 12], [4, 3])   (the lists are scalars the graph is fed)

@@ -498,20 +498,26 @@ void Region::stop_capturing(std::string why, int32_t index) {
   unsupported_ = std::move(why);
 }
 
-void Region::note_data_replaced(const at::Tensor& self) {
-  const HandlingOnThisThread handling;  // (what refuse() runs is not intercepted)
+void Region::note_data_replaced(const at::Tensor& self, const at::Tensor& from) {
+  const HandlingOnThisThread handling;  // (what refuse() and the waits run is not intercepted)
   std::lock_guard<std::mutex> lock(mu_);
-  if (!unsupported_.empty() || !self.defined()) return;
-  if (is_placeholder(self)) {
-    stop_capturing("`.data` of a tensor this iteration computed was replaced (torch's set_data), which no op records",
+  if (!unsupported_.empty() || !self.defined() || !from.defined()) return;
+  if (!adopt_if_backed(self)) {
+    stop_capturing("`.data` of a tensor this iteration computed but has no value of was replaced (torch's set_data)",
                    -1);
     return;
   }
-  // `self` keeps its TensorImpl and takes the other tensor's storage and metadata: what the
-  // produced table knew of it by address (an op that wrote it in place, a backward view it
-  // equalled) no longer holds. Its next reads find the new value through the storage (an output
-  // of this region) or read it as an input from outside, fed with what it holds then.
+  // `self` keeps its TensorImpl and takes `from`'s storage and metadata; the two share memory
+  // from then on, and each may be written in place (an optimizer's update of `self`). So neither
+  // is a value of this region any more: what the produced tables knew of them by address or by
+  // `from`'s storage no longer holds, and their next reads are inputs from outside (new ones:
+  // `self`'s sizes may have changed), fed with their memory, which the graph writes in place.
   produced_.erase(self.unsafeGetTensorImpl());
+  produced_.erase(from.unsafeGetTensorImpl());
+  if (from.has_storage()) produced_storage_.erase(from.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  external_index_.erase(self.unsafeGetTensorImpl());
+  external_index_.erase(from.unsafeGetTensorImpl());
+  if (mode_ == Mode::CoExec && hook_ != nullptr) hook_->storage_replaced(self, from);
 }
 
 int32_t Region::append_record(const OpRecord& rec) {

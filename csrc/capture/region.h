@@ -74,12 +74,12 @@ class Region {
   // Gives the placeholders among `args` their values, for a composite kernel that reads them on
   // the host (capture/host_filled_tensors.h); raises where no values exist (placeholder mode).
   void materialize(c10::ArrayRef<c10::IValue> args);
-  // torch's set_data (`self.data = new`) is about to give `self` another tensor's storage and
-  // metadata, which no op records. A placeholder stops the region's capture (the program runs
-  // eagerly, with the reason). Any other tensor (a parameter, a buffer, a tensor this region
-  // computed for real) is forgotten by address: its next reads find `new`'s value through the
-  // storage, or read it as an input from outside.
-  void note_data_replaced(const at::Tensor& self);
+  // torch's set_data (`self.data = from`) is about to give `self` the storage and metadata of
+  // `from` (which has its value: materialize() first), which no op records. Both become inputs
+  // from outside, after the graph has run everything posted (region.cpp). A `self` that is still
+  // a placeholder without its value (none to give: placeholder capture) stops the region's
+  // capture instead (the program runs eagerly, with the reason).
+  void note_data_replaced(const at::Tensor& self, const at::Tensor& from);
 
   // True on a thread that is inside handle(): an op arriving then was issued by a kernel the
   // region runs for real (an SDPA backward calls aten::transpose through the dispatcher, and

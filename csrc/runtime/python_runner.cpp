@@ -395,6 +395,12 @@ void PythonRunner::outside_memory(const at::Tensor& t) {
   links_.erase(t.unsafeGetTensorImpl());
 }
 
+void PythonRunner::storage_replaced(const at::Tensor& self, const at::Tensor& from) {
+  catch_up();
+  outside_memory(self);
+  outside_memory(from);
+}
+
 std::optional<int64_t> PythonRunner::linked_index(const at::Tensor& t) const {
   const Link* link = links_.find(t.unsafeGetTensorImpl());
   if (link != nullptr && !link->expired()) return link->index;

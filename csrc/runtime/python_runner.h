@@ -152,6 +152,7 @@ class PythonRunner final : public capture::CoExecHook {
   // Its link and its claim on the graph's value go: a later read feeds the tensor itself, and
   // materialization leaves it alone (binding the empty() value would overwrite its memory).
   void outside_memory(const at::Tensor& t) override;
+  void storage_replaced(const at::Tensor& self, const at::Tensor& from) override;
 
  private:
   struct Link {  // a tensor whose current value lives in the value table
