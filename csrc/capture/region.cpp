@@ -417,8 +417,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
     if (v.isTensor() && v.toTensor().is_nested()) {
-      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " takes a nested tensor)",
-                     -1);
+      stop_capturing(c10::toString(op.operator_name()) + " takes a nested tensor", -1);
       run_real(op, ks, stack);
       return;
     }
@@ -495,18 +494,15 @@ void Region::stop_capturing(std::string why, int32_t index) {
   // that follow run for real on them.
   if (mode_ == Mode::CoExec && hook_ != nullptr) hook_->refuse(index, why);
   mode_ = Mode::Record;
-  unsupported_ = std::move(why);
+  unsupported_ = "nested tensors are not captured (" + why + ")";
 }
 
 void Region::note_data_replaced(const at::Tensor& self, const at::Tensor& from) {
-  const HandlingOnThisThread handling;  // (what refuse() and the waits run is not intercepted)
+  // (A wait that finds the graph failed gives placeholders their values: not intercepted, as
+  // mu_ is held.)
+  const HandlingOnThisThread handling;
   std::lock_guard<std::mutex> lock(mu_);
   if (!unsupported_.empty() || !self.defined() || !from.defined()) return;
-  if (!adopt_if_backed(self)) {
-    stop_capturing("`.data` of a tensor this iteration computed but has no value of was replaced (torch's set_data)",
-                   -1);
-    return;
-  }
   // `self` keeps its TensorImpl and takes `from`'s storage and metadata; the two share memory
   // from then on, and each may be written in place (an optimizer's update of `self`). So neither
   // is a value of this region any more: what the produced tables knew of them by address or by
@@ -547,8 +543,7 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor() && v.toTensor().is_nested()) {
       // (torch._nested_tensor_from_mask: nothing after it is recorded, see unsupported())
-      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " gives a nested tensor)",
-                     report ? index : -1);
+      stop_capturing(c10::toString(op.operator_name()) + " gives a nested tensor", report ? index : -1);
       return;
     }
   }

@@ -75,10 +75,9 @@ class Region {
   // the host (capture/host_filled_tensors.h); raises where no values exist (placeholder mode).
   void materialize(c10::ArrayRef<c10::IValue> args);
   // torch's set_data (`self.data = from`) is about to give `self` the storage and metadata of
-  // `from` (which has its value: materialize() first), which no op records. Both become inputs
-  // from outside, after the graph has run everything posted (region.cpp). A `self` that is still
-  // a placeholder without its value (none to give: placeholder capture) stops the region's
-  // capture instead (the program runs eagerly, with the reason).
+  // `from`, which no op records. Both have their values (materialize() first, which raises where
+  // none exist). Both become inputs from outside, after the graph has run everything posted
+  // (region.cpp).
   void note_data_replaced(const at::Tensor& self, const at::Tensor& from);
 
   // True on a thread that is inside handle(): an op arriving then was issued by a kernel the
@@ -137,7 +136,7 @@ class Region {
   // memory from outside the program: true when it ran, unrecorded, and the tensor became an
   // input from outside (see region.cpp); false: the general path handles it.
   bool adopt_outside_memory(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
-  // Sets unsupported() to `why` (`index`: the op's record, or -1), diverging first in co-execution.
+  // Sets unsupported() (`why`; `index`: the op's record, or -1), diverging first in co-execution.
   void stop_capturing(std::string why, int32_t index);
   // Mode::CoExec: true when the op was handled (placeholders returned); false: run it for real.
   bool co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, OpRecord& rec, int32_t index,

@@ -23,6 +23,15 @@ def mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), None
 
 
+def sgd_step(model, opt, i):
+    """A training step through the optimizer (check_bitwise's step)."""
+    loss = F.cross_entropy(model(X[i % 4]), Y[i % 4])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach(), None
+
+
 def test_old_style_sgd_through_data():
     def step(model, _, i):
         loss = F.cross_entropy(model(X[i % 4]), Y[i % 4])
@@ -84,14 +93,7 @@ def test_data_assigned_to_an_intermediate_in_forward():
         m = ScaledHidden()
         return m, torch.optim.SGD(m.parameters(), lr=0.05)
 
-    def step(model, opt, i):
-        loss = F.cross_entropy(model(X[i % 4]), Y[i % 4])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach(), None
-
-    stats, fallbacks = check_bitwise(make, step, STEPS)
+    stats, fallbacks = check_bitwise(make, sgd_step, STEPS)
     assert stats.iterations["coexec"] >= STEPS - 5 and not fallbacks, (stats.iterations, fallbacks)
 
 
@@ -108,11 +110,7 @@ def test_a_parameter_replaced_then_updated_in_place():
         if i % 10 == 9:
             fresh = torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) * 0.1
             model[2].weight.data = fresh
-        loss = F.cross_entropy(model(X[i % 4]), Y[i % 4])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach(), None
+        return sgd_step(model, opt, i)
 
     stats, fallbacks = check_bitwise(make, step, STEPS)
     # (one divergence: the first replacement is a new path)
