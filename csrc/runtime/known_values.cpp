@@ -239,7 +239,7 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
     capture::SuspendGuard no_interception;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
     try {
-      op.callBoxed(&stack);
+      if (!run_scalar_arithmetic(op, stack)) op.callBoxed(&stack);
     } catch (const std::exception&) {
       return false;  // the graph raises where eager would; the read waits for it
     }

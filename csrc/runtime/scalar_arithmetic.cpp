@@ -12,7 +12,9 @@ namespace terra::runtime {
 
 namespace {
 
-enum class Arith { kAdd, kSub, kMul };
+enum class Arith { kAdd, kSub, kMul, kEq, kNe, kLt, kLe, kGt, kGe };
+
+bool is_comparison(Arith a) { return a >= Arith::kEq; }
 
 // An op taken: what it computes, and whether it writes self (add_) or returns a new tensor (add).
 struct ArithOp {
@@ -39,6 +41,13 @@ std::optional<ArithOp> arith_of(const c10::OperatorHandle& op) {
       add("aten::add", overload, Arith::kAdd);
       add("aten::sub", overload, Arith::kSub);
       add("aten::mul", overload, Arith::kMul);
+      // (Comparisons in place write self's dtype, not bool: left to ATen.)
+      add("aten::eq", overload, Arith::kEq);
+      add("aten::ne", overload, Arith::kNe);
+      add("aten::lt", overload, Arith::kLt);
+      add("aten::le", overload, Arith::kLe);
+      add("aten::gt", overload, Arith::kGt);
+      add("aten::ge", overload, Arith::kGe);
     }
     return out;
   }();
@@ -99,21 +108,39 @@ T apply(Arith a, T x, T y) {
       case Arith::kAdd: return static_cast<T>(ux + uy);
       case Arith::kSub: return static_cast<T>(ux - uy);
       case Arith::kMul: return static_cast<T>(ux * uy);
+      default: break;  // (comparisons: compare())
     }
   } else {
     switch (a) {
       case Arith::kAdd: return x + y;
       case Arith::kSub: return x - y;
       case Arith::kMul: return x * y;
+      default: break;  // (comparisons: compare())
     }
   }
   return x;
 }
 
-// out = self (op) other; `out` may be self.
+// ATen's comparison kernels compare in the common dtype, both operands cast to it (lt_kernel,
+// aten/src/ATen/native/cpu/BinaryOpsKernel.cpp): NaN compares unequal to everything.
+template <typename T>
+bool compare(Arith a, T x, T y) {
+  switch (a) {
+    case Arith::kEq: return x == y;
+    case Arith::kNe: return x != y;
+    case Arith::kLt: return x < y;
+    case Arith::kLe: return x <= y;
+    case Arith::kGt: return x > y;
+    case Arith::kGe: return x >= y;
+    default: return false;
+  }
+}
+
+// out = self (op) other; `out` may be self (then T is its dtype), or a bool for a comparison.
 template <typename T>
 void update(const at::Tensor& out, const at::Tensor& self, Arith a, const c10::Scalar& other) {
-  *out.data_ptr<T>() = apply(a, *self.const_data_ptr<T>(), cast_to<T>(other));
+  if (is_comparison(a)) *out.data_ptr<bool>() = compare(a, *self.const_data_ptr<T>(), cast_to<T>(other));
+  else *out.data_ptr<T>() = apply(a, *self.const_data_ptr<T>(), cast_to<T>(other));
 }
 
 }  // namespace
@@ -138,10 +165,13 @@ bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& sta
   }
   const std::optional<c10::Scalar> other = other_operand(self, stack[1]);
   if (!other) return false;
-  // The functional op's result: a new tensor of self's sizes and dtype (the other operand neither
-  // broadcasts nor promotes), laid out as TensorIterator lays out a one-element output.
-  const at::Tensor out =
-      what->in_place ? self : at::Tensor(at::detail::empty_cpu(self.sizes(), dtype, /*pin_memory=*/false, std::nullopt));
+  // The functional op's result: a new tensor of self's sizes and dtype (bool for a comparison; the
+  // other operand neither broadcasts nor promotes), laid out as TensorIterator lays out a
+  // one-element output.
+  const at::ScalarType out_dtype = is_comparison(arith) ? at::kBool : dtype;
+  const at::Tensor out = what->in_place
+                             ? self
+                             : at::Tensor(at::detail::empty_cpu(self.sizes(), out_dtype, /*pin_memory=*/false, std::nullopt));
   switch (dtype) {
     case at::kFloat: update<float>(out, self, arith, *other); break;
     case at::kDouble: update<double>(out, self, arith, *other); break;

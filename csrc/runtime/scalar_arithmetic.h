@@ -1,4 +1,4 @@
-// One-element arithmetic without the dispatcher: how KnownValues::follow runs the in-place
+// One-element arithmetic without the dispatcher: how KnownValues::follow and ::resolve run the in-place
 // add/sub/mul that advance an optimizer's step counter (`step_t += 1` in every single-tensor
 // torch.optim step) on its copy of the counter, and the functional add/sub/mul of running
 // averages (`avg = 0.9 * avg + 0.1 * loss` once the loss was read).
@@ -19,6 +19,12 @@
 // contiguous tensor of self's sizes and dtype, as TensorIterator does when neither operand
 // broadcasts nor promotes (the same conditions); their result was 2.5% of the Python thread on
 // the branches benchmark program through the dispatcher.
+//
+// Comparisons (eq, ne, lt, le, gt, ge; functional only) are taken on the same conditions and give
+// a new bool tensor of self's sizes: the `loss < avg` and `x.mean() > 0` of a program's branches,
+// which KnownValues::resolve runs on the Python side when the program reads them (through the
+// dispatcher that one comparison cost more than the rest of the read: 5.5% of the Python thread
+// on the trip_count benchmark program, perf).
 //
 //   stack: [self copy, other, (alpha)]  ->  [self copy]      (in place: self's bytes updated)
 //   stack: [self copy, other, (alpha)]  ->  [new tensor]     (functional)

@@ -303,6 +303,38 @@ def test_running_averages_of_read_values_are_known_bit_for_bit():
     assert runner["known_reads"] >= 8 * (STEPS - 2 * WARMUP), runner
 
 
+def test_comparisons_of_one_element_values_are_eager_bit_for_bit():
+    """Branch conditions on one-element values (`if loss < avg`, `if x.mean() > 0.1`) are run on
+    the Python side without the dispatcher (runtime/scalar_arithmetic.h): where the value is a
+    recipe over the graph's (read before anything is known) and where it is known. Each case is
+    one where comparing in another dtype would give another answer: float32 0.1 against the
+    Python float 0.1 (equal in float32, not in float64), NaN against everything, -0.0 == 0.0,
+    int64 against an int beyond float32's precision, and, left to ATen because they promote,
+    int64 against a float and float32 against a float64 tensor."""
+
+    def step(model, opt, state, i):
+        loss = train_step(model, opt, DATA[i % 6], i)
+        seen = loss.detach()
+        # Recipes: the graph's value of the loss, compared on the Python side.
+        state["log"] += [bool(seen < state["avg"]), bool(seen > 1.2), bool(seen.ge(i % 3)), bool(seen == seen),
+                         bool(seen.le(seen))]
+        state["avg"] = seen
+        tenth = torch.tensor(0.1) * (1 + seen * 0)  # float32 0.1, a recipe over the loss
+        nan = seen * float("nan")
+        zero = torch.tensor(-0.0) * (1 + seen * 0)
+        state["log"] += [bool(tenth > 0.1), bool(tenth == 0.1), bool(tenth >= 0.1), bool(nan < 1.0), bool(nan != nan),
+                         bool(nan == nan), bool(nan >= nan), bool(zero == 0.0), bool(zero < 0), bool(zero.ne(0.0))]
+        big = torch.tensor(2**40 + 1) + (seen * 0).long()  # int64
+        state["log"] += [bool(big > 2**40), bool(big == 2**40 + 1), bool(big.lt(2**40 + 2)),
+                         bool(big > 1.5),  # promotes to float: ATen
+                         bool(tenth > torch.tensor(0.1, dtype=torch.float64))]  # promotes to float64: ATen
+        # Known: the loss was read above, so these follow its copy.
+        state["log"] += [bool(seen * 2 > seen), bool((seen - seen) != 0), bool(torch.ge(seen + 1, 1.0))]
+
+    runner = check(step)
+    assert runner["known_reads"] >= 15 * (STEPS - 2 * WARMUP), runner
+
+
 def test_loss_read_after_the_step_is_not_computed_from_the_updated_weight():
     """`loss.item()` after `opt.step()`, with the graph given time to run the step first. In the
     first co-executed iteration the loss's recipe (huber_loss over the linear layer's output,
