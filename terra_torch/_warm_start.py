@@ -43,7 +43,9 @@ from terra_torch import _fused
 
 logger = logging.getLogger("terra_torch")
 
-FORMAT = "terra_torch.kept_program/1"
+# /2: host bookkeeping ops (no tensor in or out) leave no record, so a /1 program has nodes no
+# iteration reaches.
+FORMAT = "terra_torch.kept_program/2"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 _FRAME = re.compile(r"^(.*):\d+ in [^:]*$")  # LocationTracker::describe: "file:line in function"

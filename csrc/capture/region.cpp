@@ -413,6 +413,17 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     run_real(op, ks, stack);
     return;
   }
+  c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
+  if (is_host_op(op, args) && !is_collective(op)) {
+    // Host bookkeeping that neither takes nor gives tensors: the profiler's record_function pair
+    // that torch.optim puts around every step() and zero_grad(), and a DataLoader around every
+    // batch. No graph computes it and no value of the program depends on it, so it runs where
+    // Python calls it and leaves no record: recorded, it cost four ops' full work per training
+    // step (location, record, check against the graph), and a program that entered such a block
+    // a varying number of times left co-execution wherever the count changed.
+    run_real(op, ks, stack);
+    return;
+  }
   for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
@@ -453,11 +464,9 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   gil.release();
   rec.checked = guarded && checks_argument_values(op);
   fold_grad_mode(op, stack->data() + stack->size() - nargs);  // (capture/grad_mode_kernels.h)
-  c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nargs, nargs);
   add_inputs_and_attributes(rec, args);
 
-  // Ops that neither take nor give tensors (profiler::_record_function_enter_new, ...) are
-  // host bookkeeping: nothing of theirs can wait for a graph, so they always run.
+  // (A collective without tensors, the one host op recorded, always runs.)
   if (mode_ == Mode::Placeholder && !is_host_op(op, args)) {
     run_placeholder(op, infer_outputs(op, args), rec, index, args, stack);
     return;

@@ -129,6 +129,52 @@ def test_a_difference_at_a_profiler_op_is_described_without_comparing_its_handle
     assert st.iterations["coexec"] > 0, st.iterations
 
 
+def test_profiler_blocks_leave_no_record():
+    # Ops that neither take nor give tensors (the profiler's record_function pair: torch.optim
+    # puts one around every step() and zero_grad(), a DataLoader around every batch) run where
+    # Python calls them and leave no record (capture/region.cpp, Region::handle): recorded, each
+    # cost an op's full per-op work, four per training step. A program with such blocks, some
+    # entered only on some iterations, is bitwise eager's, and co-executes as many ops per
+    # iteration as the same program without them.
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    steps = 30
+
+    def run(terra: bool, blocks: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        net = terra_torch.wrap(model, speed_check=False) if terra else model
+        losses = []
+        for i in range(steps):
+            for k in range(i % 3 if blocks else 0):
+                with torch.autograd.profiler.record_function(f"log {k}"):
+                    pass
+            if blocks and i % 4 == 0:
+                with torch.autograd.profiler.record_function("every fourth"):
+                    pass
+            loss = F.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        stats = None
+        if terra:
+            terra_torch.synchronize()
+            stats = terra_torch.stats(net)
+        return losses, [p.detach().clone() for p in model.parameters()], stats
+
+    eager_losses, eager_params, _ = run(False, True)
+    losses, params, with_blocks = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    _, _, without = run(True, False)
+    assert with_blocks.iterations["coexec"] >= steps - 6, with_blocks.iterations
+    per_iteration = with_blocks.runner["python_ops"] / with_blocks.iterations["coexec"]
+    assert per_iteration == without.runner["python_ops"] / without.iterations["coexec"], (with_blocks.runner,
+                                                                                      without.runner)
+
+
 def test_a_program_that_synchronizes_every_step_co_executes():
     # terra_torch.synchronize() after every step (timing each step, logging exact values) cuts
     # every iteration at the same point. Each cut trace was left out, so such a program traced
