@@ -30,6 +30,8 @@ class FlatMap {
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
+  // Slots: what erase_if() and clear() walk.
+  size_t capacity() const { return slots_.size(); }
 
   // Room for `n` entries without growing.
   void reserve(size_t n) {

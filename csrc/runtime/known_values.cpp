@@ -343,11 +343,11 @@ void KnownValues::prune() {
   // thousands, and walking them whenever the recipes had grown by 64 (a few per iteration on a
   // loop that reads its loss) cost ~14k instructions per iteration on average (callgrind, the
   // branches benchmark program).
-  if (known_.size() > 2 * pruned_known_ + kPruneSlack) {
+  if (crowded(known_, pruned_known_)) {
     known_.erase_if([](const c10::TensorImpl*, const Known& k) { return !k.impl || k.impl->expired(); });
     pruned_known_ = known_.size();
   }
-  if (recipes_.size() > 2 * pruned_recipes_ + kPruneSlack) {
+  if (crowded(recipes_, pruned_recipes_)) {
     recipes_.erase_if([](const c10::TensorImpl*, const Recipe& r) { return !r.impl || r.impl->expired(); });
     pruned_recipes_ = recipes_.size();
   }
