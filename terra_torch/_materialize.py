@@ -22,10 +22,15 @@ import torch
 from terra_torch import _C, runtime
 
 _READS = ("numpy", "tolist", "__array__", "__reduce_ex__", "__dlpack__", "data_ptr", "untyped_storage")
+# Reads that hand Python the memory itself: writes through the array are no ops, so the runtime
+# treats that memory as memory torch did not allocate from then on (runtime/feed_snapshot.h).
+_EXPORTS = frozenset({"numpy", "__array__", "__dlpack__"})
 _installed = False
 
 
 def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    exports = name in _EXPORTS
+
     @functools.wraps(original)
     def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if _C.runtime.direct_pending():
@@ -37,11 +42,17 @@ def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             if _C.is_placeholder(self):  # no runtime can give it a value here
                 raise RuntimeError(_C.placeholder_error(self))
             if program is None:
-                return original(self, *args, **kwargs)
+                out = original(self, *args, **kwargs)
+                if exports:
+                    _C.runtime.note_exported_memory(self)
+                return out
         if program._region_phase == "coexec":
             program.materialize(self)
         with _C.suspended():
-            return original(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
+        if exports:
+            _C.runtime.note_exported_memory(self)
+        return out
 
     read._terra_original = original  # type: ignore[attr-defined]
     return read

@@ -31,6 +31,7 @@
 #include "runtime/channels.h"
 #include "runtime/direct_graph.h"
 #include "runtime/executor.h"
+#include "runtime/feed_snapshot.h"
 #include "runtime/fused_executor.h"
 #include "runtime/graph_runner.h"
 #include "runtime/worker_threads.h"
@@ -322,6 +323,9 @@ void init_runtime(py::module_& m) {
         "Whether DDP's reducer hooks on these leaves are idle, so do not stop a backward replay "
         "(runtime/backward_replay.h)");
 
+  r.def("note_exported_memory", &runtime::note_exported_memory, py::arg("tensor"),
+        "The tensor's memory was handed to Python as an array (numpy(), __array__, __dlpack__): "
+        "Python may write it without an op from now on (runtime/feed_snapshot.h)");
   r.def("release_openmp_pool", &runtime::release_openmp_pool,
         "Gives the calling thread's OpenMP pool back: its idle team threads exit instead of spinning "
         "on the cores the graph worker needs (runtime/worker_threads.h)");

@@ -7,7 +7,50 @@
 
 #include "capture/terra_key.h"
 
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
 namespace terra::runtime {
+
+namespace {
+
+// Storages handed to Python as arrays (note_exported_memory), by address; the weak reference
+// tells a live storage from a new one at the same address. Most programs export none, and the
+// lookup is skipped while the table has never held one.
+class ExportedStorages {
+ public:
+  void add(const c10::Storage& storage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    // (Dead entries dropped when the table has doubled: a loop that exports a fresh tensor per
+    // step, for a metric, leaves one per step.)
+    if (table_.size() >= 2 * pruned_ + 64) {
+      for (auto it = table_.begin(); it != table_.end();) it = it->second.expired() ? table_.erase(it) : std::next(it);
+      pruned_ = table_.size();
+    }
+    table_.insert_or_assign(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+    any_.store(true, std::memory_order_release);
+  }
+  bool contains(const c10::StorageImpl* storage) const {
+    if (!any_.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = table_.find(storage);
+    return it != table_.end() && !it->second.expired();
+  }
+
+ private:
+  std::atomic<bool> any_{false};
+  mutable std::mutex mu_;
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> table_;  // guarded by mu_
+  size_t pruned_ = 0;  // guarded by mu_
+};
+
+ExportedStorages& exported() {
+  static ExportedStorages* table = new ExportedStorages();  // (never destroyed: used until exit)
+  return *table;
+}
+
+}  // namespace
 
 bool python_writable_memory(const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu() || !t.has_storage()) return false;
@@ -16,8 +59,15 @@ bool python_writable_memory(const at::Tensor& t) {
   // from_numpy, frombuffer and DLPack imports use, leaves it null. So does shared memory
   // received from another process (a file-descriptor MapAllocator), which is not Python's to
   // overwrite.
-  if (storage.allocator() != nullptr) return false;
+  if (storage.allocator() != nullptr) return exported().contains(storage.unsafeGetStorageImpl());
   return at::MapAllocator::fromDataPtr(storage.data_ptr()) == nullptr;
+}
+
+void note_exported_memory(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || !t.has_storage()) return;
+  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
+  if (storage.allocator() == nullptr) return;  // (python_writable_memory already says so)
+  exported().add(storage);
 }
 
 at::Tensor FeedValues::value(const at::Tensor& t, bool graph_writes) {

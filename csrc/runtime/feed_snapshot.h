@@ -14,6 +14,10 @@
 // copy taken now, before the graph got there, would not. So memory fed to a written slot is fed
 // as it is from then on, while it lives.
 //
+// Memory torch allocated becomes such memory once Python is handed it as an array
+// (note_exported_memory): before, the graph read a replay buffer that Python had already refilled
+// through `buf.numpy()`. An array taken before terra_torch was imported is not seen.
+//
 // Python's own views of such memory are adopted, never given the graph's copy
 // (PlaceholderImpl::over_memory). Not covered: memory the graph writes that Python then
 // overwrites before the graph got there (docs/RUNTIME.md, "Memory Python writes without an op").
@@ -25,9 +29,17 @@
 
 namespace terra::runtime {
 
-// Memory torch did not allocate and that is not shared memory from another process (a
-// DataLoader worker's batch, which nothing overwrites): a CPU storage without an allocator.
+// Memory Python can write without an op: memory torch did not allocate and that is not shared
+// memory from another process (a DataLoader worker's batch, which nothing overwrites), a CPU
+// storage without an allocator; and memory torch allocated that Python was handed as an array
+// (note_exported_memory).
 bool python_writable_memory(const at::Tensor& t);
+
+// `t`'s memory was handed to Python as an array (`t.numpy()`, `np.asarray(t)`, `t.__dlpack__()`):
+// writes through that array are no ops (a replay buffer `buf = torch.zeros(...)` refilled through
+// `buf.numpy()[:] = ...`), so from now on, while its storage lives, it is treated as memory torch
+// did not allocate. Any thread; terra_torch/_materialize.py calls it for every such export.
+void note_exported_memory(const at::Tensor& t);
 
 // What the feeds of one PythonRunner hand the graph. Python thread only.
 class FeedValues {

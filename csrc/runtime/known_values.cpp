@@ -6,6 +6,7 @@
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
+#include "runtime/feed_snapshot.h"
 #include "runtime/scalar_arithmetic.h"
 
 namespace terra::runtime {
@@ -157,6 +158,11 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
         r.args.emplace_back();
         continue;
       }
+      // Read when the recipe runs, which is later: only memory that changes by ops alone (whose
+      // versions say so). An observation buffer the environment refills through numpy between
+      // `m = obs.max()` and `m.item()` gave the new maximum; such a read waits for the graph,
+      // whose feed of `obs` is a copy taken here (runtime/feed_snapshot.h).
+      if (python_writable_memory(t)) return;
       r.inputs.push_back({i, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
     } else {
       return;

@@ -294,3 +294,81 @@ def test_views_over_numpy_memory_stay_that_memory(how):
     assert la == lb
     assert torch.equal(wa, wb) and (oa == ob).all()
     assert stats.iterations["coexec"] >= 6, stats.iterations
+
+
+@pytest.mark.parametrize("memory", ["from_numpy", "torch_numpy_view"])
+def test_a_small_result_read_after_python_rewrote_its_input(memory):
+    """`m = obs.max()`, then the environment writes the next observation into `obs` through numpy
+    (no op, no version bump), then `m.item()`. The read was answered on the Python side by running
+    max on `obs` as it was then (a recipe over a real tensor, runtime/known_values.h): the next
+    observation's maximum, one step ahead of eager. Both numpy memory (torch.from_numpy) and
+    memory torch allocated that Python writes through `.numpy()`."""
+    np = pytest.importorskip("numpy")
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = terra_torch.wrap(model, speed_check=False) if terra else model
+        if memory == "from_numpy":
+            obs_np = np.zeros((16, 4), np.float32)
+            obs = torch.from_numpy(obs_np)
+        else:
+            obs = torch.zeros(16, 4)
+            obs_np = obs.numpy()
+        rng = np.random.default_rng(0)
+        x = torch.ones(8, 4)
+        log = []
+        for _ in range(STEPS):
+            loss = F.mse_loss(net(x), x[:, :1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            m, s = obs.max(), obs.abs().sum()  # statistics of this step's observation
+            obs_np[:] = rng.standard_normal((16, 4)).astype(np.float32)  # the next one, in place
+            log += [m.item(), s.item()]
+        terra_torch.synchronize()
+        return log, [p.detach().clone() for p in model.parameters()], terra_torch.stats(net) if terra else None
+
+    la, pa, _ = run(False)
+    lb, pb, stats = run(True)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert stats.iterations["coexec"] >= STEPS - 10, stats.iterations
+
+
+def test_a_torch_buffer_refilled_through_its_numpy_view():
+    """A replay buffer torch allocated (`torch.zeros`) that the environment refills through
+    `buf.numpy()` after each step's ops were issued. In eager `buf[idx]` copies the rows at that
+    line; the graph ran the indexing later and read rows Python had already overwritten (memory
+    torch allocated was fed as it is). Memory handed to Python as an array is fed as a copy taken
+    when Python issued the read, as memory torch did not allocate is (runtime/feed_snapshot.h)."""
+    np = pytest.importorskip("numpy")
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        net = terra_torch.wrap(model, speed_check=False) if terra else model
+        buf = torch.zeros(1024, 16)
+        buf_np = buf.numpy()
+        rng = np.random.default_rng(0)
+        buf_np[:] = rng.standard_normal((1024, 16)).astype(np.float32)
+        losses = []
+        for it in range(30):
+            xb = buf[torch.arange(it % 4 * 64, it % 4 * 64 + 64)]
+            loss = F.mse_loss(net(xb), xb[:, :1].sin())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            buf_np[:] = rng.standard_normal((1024, 16)).astype(np.float32)  # new transitions, in place
+            losses.append(loss.detach())
+        terra_torch.synchronize()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()], \
+            terra_torch.stats(net) if terra else None
+
+    la, pa, _ = run(False)
+    lb, pb, stats = run(True)
+    assert torch.equal(la, lb), (la - lb).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert stats.iterations["coexec"] >= 20, stats.iterations
