@@ -123,6 +123,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
   // Arguments to copy (index into r.args, source), copied only once the recipe turns out to
   // need the graph for another argument: most ops whose tensors are all real end up with none.
   c10::SmallVector<std::pair<size_t, const at::Tensor*>, 4> copies;
+  bool copied_writable = false;  // (such a copy is a reason for a recipe by itself)
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& a = args[i];
     if (a.isTensorList() || a.isOptionalTensorList()) return;
@@ -159,17 +160,23 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
         continue;
       }
       // Read when the recipe runs, which is later: only memory that changes by ops alone (whose
-      // versions say so). An observation buffer the environment refills through numpy between
-      // `m = obs.max()` and `m.item()` gave the new maximum; such a read waits for the graph,
-      // whose feed of `obs` is a copy taken here (runtime/feed_snapshot.h).
-      if (python_writable_memory(t)) return;
+      // versions say so). Memory Python writes without an op is copied now, as the graph's feed
+      // of it is (runtime/feed_snapshot.h): read at the recipe's run, an observation buffer the
+      // environment refilled through numpy between `m = obs.max()` and `m.item()` gave the new
+      // maximum.
+      if (python_writable_memory(t)) {
+        copies.emplace_back(r.args.size(), &t);
+        r.args.emplace_back();
+        copied_writable = true;
+        continue;
+      }
       r.inputs.push_back({i, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
     } else {
       return;
     }
     r.args.emplace_back();  // (filled in when the recipe runs)
   }
-  if (r.inputs.empty()) return;
+  if (r.inputs.empty() && !copied_writable) return;
   for (const auto& [slot, source] : copies) r.args[slot] = copy_of(*source);
   r.op = op;
   planned_ = std::move(r);

@@ -302,7 +302,9 @@ def test_a_small_result_read_after_python_rewrote_its_input(memory):
     (no op, no version bump), then `m.item()`. The read was answered on the Python side by running
     max on `obs` as it was then (a recipe over a real tensor, runtime/known_values.h): the next
     observation's maximum, one step ahead of eager. Both numpy memory (torch.from_numpy) and
-    memory torch allocated that Python writes through `.numpy()`."""
+    memory torch allocated that Python writes through `.numpy()`. The reads are still answered
+    on the Python side, from a copy of `obs` taken when the op was issued (no wait for the
+    graph)."""
     np = pytest.importorskip("numpy")
 
     def run(terra: bool):
@@ -335,6 +337,7 @@ def test_a_small_result_read_after_python_rewrote_its_input(memory):
     assert la == lb
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
     assert stats.iterations["coexec"] >= STEPS - 10, stats.iterations
+    assert stats.runner["known_reads"] >= 2 * (STEPS - 10), stats.runner
 
 
 def test_a_torch_buffer_refilled_through_its_numpy_view():
