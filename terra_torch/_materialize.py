@@ -52,6 +52,12 @@ def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             out = original(self, *args, **kwargs)
         if exports:
             _C.runtime.note_exported_memory(self)
+            region = program._region
+            if region is not None:
+                # Python may write the array before the iteration's next op reads the tensor
+                # (label smoothing through `t.numpy()[...] *= 0.5`): that read takes the memory,
+                # not the value the region knew (the graph's, or the one fed before).
+                region.note_memory_exported(self)
         return out
 
     read._terra_original = original  # type: ignore[attr-defined]

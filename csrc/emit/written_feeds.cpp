@@ -6,6 +6,7 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "capture/op_arguments.h"
 #include "emit/channel.h"
 
 namespace terra::emit {
@@ -47,6 +48,9 @@ class WriteFinder {
     const c10::FunctionSchema* schema = user->maybeSchema();
     if (schema == nullptr || user->kind().toQualString() == std::string_view(kBoxedCallOp)) return true;
     if (use.offset >= schema->arguments().size()) return true;  // (varargs)
+    if ((use.offset == capture::kRunningMeanArgument || use.offset == capture::kRunningVarArgument) &&
+        capture::writes_running_statistics(*schema))
+      return true;  // (whether it trains or not: written in training, read as it is otherwise)
     const c10::AliasInfo* alias = schema->arguments()[use.offset].alias_info();
     if (alias == nullptr) return false;  // read only
     if (alias->isWrite()) return true;

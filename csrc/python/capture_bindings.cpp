@@ -109,6 +109,10 @@ void init_capture(py::module_& m) {
       .def("ignore_outermost_loops", [](Region& r) { r.locations().ignore_outermost_loops(true); },
            "The outermost frame runs the training loop: its loops are not program loops")
       .def("close", &Region::close)
+      .def(
+          "note_memory_exported", [](Region& r, const at::Tensor& t) { r.note_data_replaced(t, t); }, py::arg("tensor"),
+          "`tensor`'s memory was handed to Python as an array, which may write it without an op: its next "
+          "reads are inputs from outside, fed with its memory (Region::note_data_replaced)")
       .def("unsupported", &Region::unsupported)
       .def_property_readonly("is_open", &Region::is_open)
       .def_property_readonly("handled", &Region::handled,

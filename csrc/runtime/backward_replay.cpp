@@ -509,6 +509,14 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
   }
   if (!call.keep_graph) release_saved(r);
   flush();
+  // A gradient accumulated in place into memory Python can read or write without an op (an
+  // array `g = p.grad.numpy()` kept across steps, masked after backward()): the graph runs the
+  // backward before Python goes on, as PythonRunner::outputs does for such writes.
+  for (size_t j = 0; j < memo.outcomes.size(); ++j)
+    if (memo.outcomes[j].kind == LeafOutcome::Kind::kInPlace && python_writable_memory(grads_before[j])) {
+      catch_up();
+      break;
+    }
 }
 
 }  // namespace terra::runtime

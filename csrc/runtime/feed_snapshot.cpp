@@ -7,6 +7,7 @@
 
 #include "capture/terra_key.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -72,15 +73,20 @@ void note_exported_memory(const at::Tensor& t) {
 
 at::Tensor FeedValues::value(const at::Tensor& t, bool graph_writes) {
   if (!python_writable_memory(t)) return t;
-  c10::StorageImpl* storage = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
+  const char* begin = static_cast<const char*>(storage.data());
+  const char* end = begin + storage.nbytes();
+  // (Ranges of storages that died go first: their addresses may hold other memory now.)
+  written_.erase(std::remove_if(written_.begin(), written_.end(), [](const WrittenRange& w) { return w.storage.expired(); }),
+                 written_.end());
   if (graph_writes) {
-    written_.insert_or_assign(storage, t.unsafeGetTensorImpl()->unsafe_storage().getWeakStorageImpl());
+    for (const WrittenRange& w : written_)
+      if (w.begin == begin && w.end == end && w.storage._unsafe_get_target() == storage.unsafeGetStorageImpl()) return t;
+    written_.push_back({storage.getWeakStorageImpl(), begin, end});
     return t;
   }
-  if (const auto w = written_.find(storage); w != written_.end()) {
-    if (!w->second.expired()) return t;
-    written_.erase(w);  // (another storage at the address of one that is gone)
-  }
+  for (const WrittenRange& w : written_)
+    if (begin < w.end && w.begin < end) return t;  // the graph writes this memory, maybe through another storage
   // Several elements over one address (np.broadcast_to) cannot be written as a copy with the
   // same strides: fed as it is (not covered, as before).
   if (at::has_internal_overlap(t) != at::MemOverlap::No) return t;

@@ -25,7 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <unordered_map>
+#include <vector>
 
 namespace terra::runtime {
 
@@ -50,9 +50,16 @@ class FeedValues {
   at::Tensor value(const at::Tensor& t, bool graph_writes);
 
  private:
-  // Memory the graph writes (python_writable_memory only: rare), by its StorageImpl; the weak
-  // reference tells a live storage from a new one at the same address.
-  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
+  // Memory the graph writes (python_writable_memory only: rare), as address ranges: two
+  // storages can hold the same memory (`torch.from_dlpack(buf)`, `torch.as_tensor(buf.numpy())`),
+  // and a feed of one must see the graph's write through the other. The weak reference tells a
+  // live storage from a new one at the same address.
+  struct WrittenRange {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const char* begin;
+    const char* end;
+  };
+  std::vector<WrittenRange> written_;
 };
 
 }  // namespace terra::runtime

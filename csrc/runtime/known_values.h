@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 #include "common/flat_map.h"
 
@@ -80,10 +81,13 @@ class KnownValues {
   void drop_planned() { planned_.reset(); }
   // A tensor a co-executed op writes (the graph writes it later): it is never fresh.
   void note_written(const at::Tensor& t);
-  // Whether some co-executed op wrote `t`'s storage (through `t` or any view of it); true when
-  // that can no longer be told (too many written storages).
+  // Whether some co-executed op wrote `t`'s storage (through `t` or any view of it), or memory
+  // Python writes without an op that `t`'s storage shares with another storage the graph wrote
+  // (`torch.from_dlpack(buf)`, `torch.as_tensor(buf.numpy())`); true when that can no longer be
+  // told (too many written storages).
   bool ever_written(const at::Tensor& t) const {
-    return written_overflow_ || !t.has_storage() || was_written(t.storage().unsafeGetStorageImpl());
+    return written_overflow_ || !t.has_storage() || was_written(t.storage().unsafeGetStorageImpl()) ||
+           (!written_memory_.empty() && overlaps_written_memory(t));
   }
   // `t`'s memory holds its value now: it has memory, and no co-executed op wrote that storage
   // (only such ops leave writes pending in the graph). A real tensor nothing wrote, a view of one.
@@ -199,6 +203,15 @@ class KnownValues {
     return table.size() > std::max(2 * pruned + kPruneSlack, table.capacity() / 2);
   }
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
+  // The address ranges of written storages over memory Python writes without an op
+  // (python_writable_memory: rare), which another storage may share.
+  struct WrittenMemory {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const char* begin;
+    const char* end;
+  };
+  std::vector<WrittenMemory> written_memory_;
+  bool overlaps_written_memory(const at::Tensor& t) const;
   std::vector<const c10::TensorImpl*> unsettled_;
   common::FlatMap<const c10::TensorImpl*, Recipe> recipes_;  // by output
   std::optional<Recipe> planned_;  // between plan_recipe and keep_recipe

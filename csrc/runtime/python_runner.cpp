@@ -199,9 +199,13 @@ PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const c
   // memory, which the graph may write as soon as validate() has posted this op's gate (Adam's
   // `step_t += 1` then read one step ahead, under load).
   follow_.reset();
+  sync_after_ = -1;
   const bool follows = known_arguments(rec.op, args);
   const Verdict verdict = validate(region, rec, index, args, num_outputs, false, false);
   if (verdict == Verdict::kDiverged) return verdict;
+  capture::for_each_written(rec.op, args, [&](const at::Tensor& t) {
+    if (python_writable_memory(t)) sync_after_ = index;
+  });
   if (follows) {
     follow_ = Follow{index, rec.op};
   } else {
@@ -251,6 +255,10 @@ void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   claim_outputs(index, outputs);
+  if (sync_after_ == index) {
+    sync_after_ = -1;
+    catch_up();
+  }
   if (!follow_ || follow_->index != index) return;  // (a stale one: an admitted op that raised before its outputs)
   known_.follow(follow_->op, known_args_, known_written_, outputs);
   follow_.reset();

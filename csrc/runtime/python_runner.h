@@ -325,6 +325,11 @@ class PythonRunner final : public capture::CoExecHook {
     c10::OperatorHandle op;
   };
   std::optional<Follow> follow_;
+  // An admitted op that writes memory Python can read without an op (a parameter whose array
+  // `w_np = p.detach().numpy()` Python keeps; numpy memory): outputs() lets the graph run it
+  // before Python goes on (catch_up), so that a later read through the array, which no op
+  // announces, finds the write done, and a later write through it comes after the graph's.
+  int32_t sync_after_ = -1;
   torch::jit::Stack known_args_;
   c10::SmallVector<at::Tensor, 4> known_written_;
   // TERRA_KNOWN_VALUES=0 turns known values off (to compare).

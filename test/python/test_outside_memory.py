@@ -375,3 +375,118 @@ def test_a_torch_buffer_refilled_through_its_numpy_view():
     assert torch.equal(la, lb), (la - lb).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
     assert stats.iterations["coexec"] >= 20, stats.iterations
+
+
+# ---- arrays Python keeps over tensor memory (runtime/feed_snapshot.h, PythonRunner::outputs) --------
+
+
+def _kept_array_run(terra: bool, body, steps: int = 24):
+    """A Linear(4, 4) + BatchNorm1d model trained with SGD; `body(model, net, opt, x, i, state)`
+    runs one step and returns the values to log."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = terra_torch.wrap(model, speed_check=False) if terra else model
+    g = torch.Generator().manual_seed(1)
+    state: dict = {}
+    log = []
+    for i in range(steps):
+        log.append(body(model, net, opt, torch.randn(8, 4, generator=g), i, state))
+    terra_torch.synchronize()
+    stats = terra_torch.stats(net) if terra else None
+    return log, [p.detach().clone() for p in model.parameters()], stats
+
+
+def _check_kept_array(body):
+    la, pa, _ = _kept_array_run(False, body)
+    lb, pb, stats = _kept_array_run(True, body)
+    assert la == lb, next((i, a, b) for i, (a, b) in enumerate(zip(la, lb)) if a != b)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert stats.iterations["coexec"] >= 16, stats.iterations
+
+
+@pytest.mark.parametrize("what", ["weight", "running_mean", "buffer"])
+def test_an_array_kept_over_memory_the_graph_writes_reads_the_write(what):
+    """`w_np = layer.weight.detach().numpy()` taken once and read by numpy after `opt.step()` (no
+    op announces that read): it gave the value from before the step. An op that writes memory
+    handed to Python as an array now runs on the graph before Python goes on."""
+    np = pytest.importorskip("numpy")
+
+    def body(model, net, opt, x, i, state):
+        if "arr" not in state:
+            state["buf"] = torch.zeros(8, 4)
+            state["arr"] = {"weight": model[0].weight.detach().numpy(), "running_mean": model[1].running_mean.numpy(),
+                            "buffer": state["buf"].numpy()}[what]
+        out = net(x)
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["buf"].copy_(out.detach())
+        return float(np.sum(state["arr"]))
+
+    _check_kept_array(body)
+
+
+def test_a_gradient_masked_through_a_kept_array():
+    """`gw = weight.grad.numpy()` kept across steps and masked after backward (`gw *= mask`), then
+    `opt.step()`: the replayed backward wrote the gradient after Python's mask, so the step used
+    the unmasked gradient (final weights 0.31 off eager)."""
+    np = pytest.importorskip("numpy")
+
+    def body(model, net, opt, x, i, state):
+        if "gw" not in state:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            state["gw"] = model[0].weight.grad.numpy()
+        loss = net(x).pow(2).mean()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        state["gw"] *= np.float32(0.5 if i % 2 else 0.0)
+        opt.step()
+        return model[0].weight.sum().item()
+
+    _check_kept_array(body)
+
+
+def test_a_tensor_the_graph_computes_edited_through_its_array():
+    """Label smoothing in place through numpy: `t = one_hot(y).float(); t.numpy()[...] *= 0.5`, then
+    the loss reads `t`. The graph read its own value of `t` and the edit was lost (loss twice
+    eager's). A tensor handed to Python as an array is read from its memory from then on."""
+
+    def body(model, net, opt, x, i, state):
+        t = F.one_hot(x.argmax(1), 4).float()
+        tn = t.numpy()
+        tn *= 0.5
+        tn += 0.125
+        loss = (t * net(x)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    _check_kept_array(body)
+
+
+@pytest.mark.parametrize("how", ["from_dlpack", "as_tensor_of_numpy"])
+def test_a_second_tensor_over_the_same_memory(how):
+    """`alias = torch.from_dlpack(buf)` or `torch.as_tensor(buf.numpy())`: another storage over
+    `buf`'s memory. The loop writes the alias with a torch op and reads `buf`: the read took a
+    copy of `buf` made before the graph wrote the alias (one step behind eager). Writes the graph
+    makes are tracked by address range (FeedValues, KnownValues::ever_written)."""
+    np = pytest.importorskip("numpy")
+
+    def body(model, net, opt, x, i, state):
+        if "alias" not in state:
+            state["buf"] = torch.zeros(8, 4)
+            buf = state["buf"]
+            state["alias"] = torch.from_dlpack(buf) if how == "from_dlpack" else torch.as_tensor(buf.numpy())
+        state["alias"].fill_(float(i))
+        s = state["buf"].sum()
+        loss = net(state["buf"] + x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return [s.item(), loss.item()]
+
+    _check_kept_array(body)

@@ -335,6 +335,29 @@ def test_comparisons_of_one_element_values_are_eager_bit_for_bit():
     assert runner["known_reads"] >= 15 * (STEPS - 2 * WARMUP), runner
 
 
+def test_batch_norm_running_statistics_read_after_the_forward():
+    """`bn.running_mean.sum().item()` after the forward, for logging. native_batch_norm's schema
+    does not say that it writes its running statistics, so they passed for small tensors nothing
+    had written, and the sum was computed from memory the graph had not updated yet: the
+    previous step's statistics (capture/op_arguments.h, writes_running_statistics)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4))
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(model, opt, state, i):
+        loss = F.cross_entropy(model(DATA[i % 6]), LABELS[i % 6])
+        bn = model[1]
+        mean, var = bn.running_mean.sum(), bn.running_var.max()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"] += [mean.item(), var.item(), int(bn.num_batches_tracked)]
+
+    check(step, make)
+
+
 def test_loss_read_after_the_step_is_not_computed_from_the_updated_weight():
     """`loss.item()` after `opt.step()`, with the graph given time to run the step first. In the
     first co-executed iteration the loss's recipe (huber_loss over the linear layer's output,
