@@ -28,6 +28,14 @@ _EXPORTS = frozenset({"numpy", "__array__", "__dlpack__"})
 _installed = False
 
 
+def _array_holder(tensor: torch.Tensor, out: Any) -> torch.Tensor:
+    """The tensor whose life bounds the array's hold on `tensor`'s memory: the array's base,
+    which torch sets to the tensor it made the array from (torch/csrc/utils/tensor_numpy.cpp),
+    or `tensor` itself (a DLPack capsule, an array numpy copied)."""
+    base = getattr(out, "base", None)
+    return base if isinstance(base, torch.Tensor) else tensor
+
+
 def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     exports = name in _EXPORTS
 
@@ -44,14 +52,14 @@ def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             if program is None:
                 out = original(self, *args, **kwargs)
                 if exports:
-                    _C.runtime.note_exported_memory(self)
+                    _C.runtime.note_exported_memory(_array_holder(self, out))
                 return out
         if program._region_phase == "coexec":
             program.materialize(self)
         with _C.suspended():
             out = original(self, *args, **kwargs)
         if exports:
-            _C.runtime.note_exported_memory(self)
+            _C.runtime.note_exported_memory(_array_holder(self, out))
             region = program._region
             if region is not None:
                 # Python may write the array before the iteration's next op reads the tensor

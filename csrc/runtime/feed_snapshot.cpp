@@ -16,33 +16,51 @@ namespace terra::runtime {
 
 namespace {
 
-// Storages handed to Python as arrays (note_exported_memory), by address; the weak reference
-// tells a live storage from a new one at the same address. Most programs export none, and the
-// lookup is skipped while the table has never held one.
+// Storages handed to Python as arrays (note_exported_memory), by address, each with the tensors
+// whose lives bound the arrays': an array made by `t.numpy()` holds the tensor torch made it from
+// as its base, so while that tensor lives the array may, and once it is gone the memory is torch's
+// alone again (`plt.imshow(conv.weight.detach().numpy())` once does not make every later update
+// of the weight wait for the graph). Most programs export none, and the lookup is skipped while
+// the table has never held one.
 class ExportedStorages {
  public:
-  void add(const c10::Storage& storage) {
+  using Holder = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+  void add(const at::Tensor& holder) {
+    const c10::StorageImpl* storage = holder.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
     std::lock_guard<std::mutex> lock(mu_);
     // (Dead entries dropped when the table has doubled: a loop that exports a fresh tensor per
     // step, for a metric, leaves one per step.)
     if (table_.size() >= 2 * pruned_ + 64) {
-      for (auto it = table_.begin(); it != table_.end();) it = it->second.expired() ? table_.erase(it) : std::next(it);
+      for (auto it = table_.begin(); it != table_.end();) it = live(it->first, it->second) ? std::next(it) : table_.erase(it);
       pruned_ = table_.size();
     }
-    table_.insert_or_assign(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+    std::vector<Holder>& holders = table_[storage];
+    holders.erase(std::remove_if(holders.begin(), holders.end(), [](const Holder& h) { return h.expired(); }),
+                  holders.end());
+    holders.emplace_back(holder.getIntrusivePtr());
     any_.store(true, std::memory_order_release);
   }
   bool contains(const c10::StorageImpl* storage) const {
     if (!any_.load(std::memory_order_acquire)) return false;
     std::lock_guard<std::mutex> lock(mu_);
     const auto it = table_.find(storage);
-    return it != table_.end() && !it->second.expired();
+    return it != table_.end() && live(storage, it->second);
   }
 
  private:
+  // Some holder lives and still holds that storage (not another one at a freed address).
+  static bool live(const c10::StorageImpl* storage, const std::vector<Holder>& holders) {
+    for (const Holder& h : holders) {
+      const auto impl = h.lock();
+      if (impl && impl->has_storage() && impl->unsafe_storage().unsafeGetStorageImpl() == storage) return true;
+    }
+    return false;
+  }
+
   std::atomic<bool> any_{false};
   mutable std::mutex mu_;
-  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> table_;  // guarded by mu_
+  std::unordered_map<const c10::StorageImpl*, std::vector<Holder>> table_;  // guarded by mu_
   size_t pruned_ = 0;  // guarded by mu_
 };
 
@@ -64,11 +82,11 @@ bool python_writable_memory(const at::Tensor& t) {
   return at::MapAllocator::fromDataPtr(storage.data_ptr()) == nullptr;
 }
 
-void note_exported_memory(const at::Tensor& t) {
-  if (!t.defined() || !t.device().is_cpu() || !t.has_storage()) return;
-  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
+void note_exported_memory(const at::Tensor& holder) {
+  if (!holder.defined() || !holder.device().is_cpu() || !holder.has_storage()) return;
+  const c10::Storage& storage = holder.unsafeGetTensorImpl()->unsafe_storage();
   if (storage.allocator() == nullptr) return;  // (python_writable_memory already says so)
-  exported().add(storage);
+  exported().add(holder);
 }
 
 at::Tensor FeedValues::value(const at::Tensor& t, bool graph_writes) {

@@ -35,11 +35,13 @@ namespace terra::runtime {
 // (note_exported_memory).
 bool python_writable_memory(const at::Tensor& t);
 
-// `t`'s memory was handed to Python as an array (`t.numpy()`, `np.asarray(t)`, `t.__dlpack__()`):
-// writes through that array are no ops (a replay buffer `buf = torch.zeros(...)` refilled through
-// `buf.numpy()[:] = ...`), so from now on, while its storage lives, it is treated as memory torch
-// did not allocate. Any thread; terra_torch/_materialize.py calls it for every such export.
-void note_exported_memory(const at::Tensor& t);
+// `holder`'s memory was handed to Python as an array (`t.numpy()`, `np.asarray(t)`,
+// `t.__dlpack__()`): writes through that array are no ops (a replay buffer `buf =
+// torch.zeros(...)` refilled through `buf.numpy()[:] = ...`), so while `holder` lives (the array's
+// base, which the array keeps alive; or the tensor itself) and still holds that storage, the
+// memory is treated as memory torch did not allocate. Any thread; terra_torch/_materialize.py
+// calls it for every such export.
+void note_exported_memory(const at::Tensor& holder);
 
 // What the feeds of one PythonRunner hand the graph. Python thread only.
 class FeedValues {
