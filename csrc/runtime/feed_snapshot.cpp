@@ -5,6 +5,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty_strided.h>
 
+#include "capture/placeholder.h"
 #include "capture/terra_key.h"
 
 #include <algorithm>
@@ -79,6 +80,12 @@ bool python_writable_memory(const at::Tensor& t) {
   // received from another process (a file-descriptor MapAllocator), which is not Python's to
   // overwrite.
   if (storage.allocator() != nullptr) return exported().contains(storage.unsafeGetStorageImpl());
+  // A placeholder's storage has no allocator either: dataless, or holding the graph's value, the
+  // runtime's memory. Only a view over memory Python handed in (over_memory) is Python's. (Taken
+  // for Python's, every in-place op on a placeholder made Python wait for the graph: a
+  // co-executed Adam MLP step took 0.61 ms instead of 0.46.)
+  if (const auto* placeholder = dynamic_cast<const capture::PlaceholderImpl*>(t.unsafeGetTensorImpl()))
+    if (!placeholder->over_memory()) return false;
   return at::MapAllocator::fromDataPtr(storage.data_ptr()) == nullptr;
 }
 
