@@ -9,6 +9,7 @@
 #include "capture/terra_key.h"
 #include "capture/interceptor.h"
 #include "capture/placeholder.h"
+#include "common/scoped_flag.h"
 
 namespace terra::capture {
 
@@ -16,15 +17,8 @@ namespace {
 
 thread_local bool t_host_factories = false;
 
-class HostFactories {
- public:
-  HostFactories() : before_(t_host_factories) { t_host_factories = true; }
-  ~HostFactories() { t_host_factories = before_; }
-  HostFactories(const HostFactories&) = delete;
-  HostFactories& operator=(const HostFactories&) = delete;
-
- private:
-  bool before_;
+struct HostFactories : common::ScopedFlag {
+  HostFactories() : common::ScopedFlag(t_host_factories) {}
 };
 
 // Gives the tensor arguments at `positions` their values (the kernel reads them on the host),

@@ -96,22 +96,32 @@ void note_exported_memory(const at::Tensor& holder) {
   exported().add(holder);
 }
 
+void WrittenMemory::note(const c10::Storage& storage) {
+  // (Ranges of storages that died go first: their addresses may hold other memory now.)
+  ranges_.erase(std::remove_if(ranges_.begin(), ranges_.end(), [](const Range& r) { return r.storage.expired(); }),
+                ranges_.end());
+  for (const Range& r : ranges_)
+    if (r.storage._unsafe_get_target() == storage.unsafeGetStorageImpl()) return;
+  const char* begin = static_cast<const char*>(storage.data());
+  ranges_.push_back({storage.getWeakStorageImpl(), begin, begin + storage.nbytes()});
+}
+
+bool WrittenMemory::overlaps(const c10::Storage& storage) const {
+  const char* begin = static_cast<const char*>(storage.data());
+  const char* end = begin + storage.nbytes();
+  for (const Range& r : ranges_)
+    if (!r.storage.expired() && begin < r.end && r.begin < end) return true;
+  return false;
+}
+
 at::Tensor FeedValues::value(const at::Tensor& t, bool graph_writes) {
   if (!python_writable_memory(t)) return t;
   const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
-  const char* begin = static_cast<const char*>(storage.data());
-  const char* end = begin + storage.nbytes();
-  // (Ranges of storages that died go first: their addresses may hold other memory now.)
-  written_.erase(std::remove_if(written_.begin(), written_.end(), [](const WrittenRange& w) { return w.storage.expired(); }),
-                 written_.end());
   if (graph_writes) {
-    for (const WrittenRange& w : written_)
-      if (w.begin == begin && w.end == end && w.storage._unsafe_get_target() == storage.unsafeGetStorageImpl()) return t;
-    written_.push_back({storage.getWeakStorageImpl(), begin, end});
+    written_.note(storage);
     return t;
   }
-  for (const WrittenRange& w : written_)
-    if (begin < w.end && w.begin < end) return t;  // the graph writes this memory, maybe through another storage
+  if (written_.overlaps(storage)) return t;  // the graph writes this memory, maybe through another storage
   // Several elements over one address (np.broadcast_to) cannot be written as a copy with the
   // same strides: fed as it is (not covered, as before).
   if (at::has_internal_overlap(t) != at::MemOverlap::No) return t;

@@ -43,6 +43,26 @@ bool python_writable_memory(const at::Tensor& t);
 // calls it for every such export.
 void note_exported_memory(const at::Tensor& holder);
 
+// Memory the graph writes, as address ranges of storages (python_writable_memory only: rare):
+// two storages can hold the same memory (`torch.from_dlpack(buf)`, `torch.as_tensor(buf.numpy())`),
+// and what is known of one must see the graph's write through the other. Each range holds its
+// storage weakly: a storage that died frees its address for other memory. Asked by the feeds
+// (FeedValues) and by the known values (KnownValues::ever_written). One thread.
+class WrittenMemory {
+ public:
+  void note(const c10::Storage& storage);
+  bool overlaps(const c10::Storage& storage) const;
+  bool empty() const { return ranges_.empty(); }
+
+ private:
+  struct Range {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const char* begin;
+    const char* end;
+  };
+  std::vector<Range> ranges_;
+};
+
 // What the feeds of one PythonRunner hand the graph. Python thread only.
 class FeedValues {
  public:
@@ -52,16 +72,7 @@ class FeedValues {
   at::Tensor value(const at::Tensor& t, bool graph_writes);
 
  private:
-  // Memory the graph writes (python_writable_memory only: rare), as address ranges: two
-  // storages can hold the same memory (`torch.from_dlpack(buf)`, `torch.as_tensor(buf.numpy())`),
-  // and a feed of one must see the graph's write through the other. The weak reference tells a
-  // live storage from a new one at the same address.
-  struct WrittenRange {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    const char* begin;
-    const char* end;
-  };
-  std::vector<WrittenRange> written_;
+  WrittenMemory written_;  // memory fed to slots the graph writes
 };
 
 }  // namespace terra::runtime

@@ -2,13 +2,10 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
-#include <algorithm>
-
 #include "capture/dense_copy.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/terra_key.h"
-#include "runtime/feed_snapshot.h"
 #include "runtime/scalar_arithmetic.h"
 
 namespace terra::runtime {
@@ -288,23 +285,7 @@ void KnownValues::note_written(const at::Tensor& t) {
   }
   const c10::Storage& storage = t.storage();
   written_.insert_or_assign(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
-  if (!python_writable_memory(t)) return;
-  written_memory_.erase(std::remove_if(written_memory_.begin(), written_memory_.end(),
-                                       [](const WrittenMemory& w) { return w.storage.expired(); }),
-                        written_memory_.end());
-  for (const WrittenMemory& w : written_memory_)
-    if (w.storage._unsafe_get_target() == storage.unsafeGetStorageImpl()) return;
-  const char* begin = static_cast<const char*>(storage.data());
-  written_memory_.push_back({storage.getWeakStorageImpl(), begin, begin + storage.nbytes()});
-}
-
-bool KnownValues::overlaps_written_memory(const at::Tensor& t) const {
-  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
-  const char* begin = static_cast<const char*>(storage.data());
-  const char* end = begin + storage.nbytes();
-  for (const WrittenMemory& w : written_memory_)
-    if (!w.storage.expired() && begin < w.end && w.begin < end) return true;
-  return false;
+  if (python_writable_memory(t)) written_memory_.note(storage);
 }
 
 void KnownValues::follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> written,

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/flat_map.h"
+#include "runtime/feed_snapshot.h"
 
 namespace terra::runtime {
 
@@ -87,7 +88,7 @@ class KnownValues {
   // told (too many written storages).
   bool ever_written(const at::Tensor& t) const {
     return written_overflow_ || !t.has_storage() || was_written(t.storage().unsafeGetStorageImpl()) ||
-           (!written_memory_.empty() && overlaps_written_memory(t));
+           (!written_memory_.empty() && written_memory_.overlaps(t.unsafeGetTensorImpl()->unsafe_storage()));
   }
   // `t`'s memory holds its value now: it has memory, and no co-executed op wrote that storage
   // (only such ops leave writes pending in the graph). A real tensor nothing wrote, a view of one.
@@ -203,15 +204,8 @@ class KnownValues {
     return table.size() > std::max(2 * pruned + kPruneSlack, table.capacity() / 2);
   }
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> written_;
-  // The address ranges of written storages over memory Python writes without an op
-  // (python_writable_memory: rare), which another storage may share.
-  struct WrittenMemory {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    const char* begin;
-    const char* end;
-  };
-  std::vector<WrittenMemory> written_memory_;
-  bool overlaps_written_memory(const at::Tensor& t) const;
+  // Written storages over memory Python writes without an op, which another storage may share.
+  WrittenMemory written_memory_;
   std::vector<const c10::TensorImpl*> unsettled_;
   common::FlatMap<const c10::TensorImpl*, Recipe> recipes_;  // by output
   std::optional<Recipe> planned_;  // between plan_recipe and keep_recipe

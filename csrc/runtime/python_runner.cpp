@@ -203,14 +203,16 @@ PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const c
   const bool follows = known_arguments(rec.op, args);
   const Verdict verdict = validate(region, rec, index, args, num_outputs, false, false);
   if (verdict == Verdict::kDiverged) return verdict;
+  if (follows) follow_ = Follow{index, rec.op};
+  // One walk over what the op writes. Not followed, its written tensors have no known value from
+  // now on (a version counter does not always say so: a foreach kernel bumps its tensors'
+  // versions from inside, where co-execution never runs it; and while nothing is known, written
+  // storages are never fresh); memory Python can touch without an op makes outputs() wait for
+  // the graph.
   capture::for_each_written(rec.op, args, [&](const at::Tensor& t) {
+    if (!follows && known_values_enabled_) known_.forget(t);
     if (python_writable_memory(t)) sync_after_ = index;
   });
-  if (follows) {
-    follow_ = Follow{index, rec.op};
-  } else {
-    forget_written(rec.op, args);
-  }
   return verdict;
 }
 
@@ -246,11 +248,6 @@ bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<
   known_written_.clear();
   capture::for_each_written(op, args, [&](const at::Tensor& t) { known_written_.push_back(t); });
   return true;
-}
-
-void PythonRunner::forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-  // (Also while nothing is known: the written storages are remembered, so they are never fresh.)
-  if (known_values_enabled_) capture::for_each_written(op, args, [&](const at::Tensor& t) { known_.forget(t); });
 }
 
 void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {

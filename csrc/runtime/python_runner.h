@@ -213,10 +213,6 @@ class PythonRunner final : public capture::CoExecHook {
   // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
   // planned for its output instead).
   bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
-  // An op answered with placeholders that Python could not follow: the known values of the
-  // tensors it writes are gone (a version counter does not always say so: a foreach kernel bumps
-  // its tensors' versions from inside, where co-execution never runs it).
-  void forget_written(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
   // outputs() without the known values: the value-table claims and links of the outputs.
   void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   // The selection the graph makes at `input` for the cursor's copy, if any.

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace terra::runtime {
@@ -34,21 +35,14 @@ std::optional<ArithOp> arith_of(const c10::OperatorHandle& op) {
       const std::string n(name);
       if (auto h = c10::Dispatcher::singleton().findOp({name, overload})) out.push_back({*h, {a, n.back() == '_'}});
     };
-    for (const char* overload : {"Tensor", "Scalar"}) {
-      add("aten::add_", overload, Arith::kAdd);
-      add("aten::sub_", overload, Arith::kSub);
-      add("aten::mul_", overload, Arith::kMul);
-      add("aten::add", overload, Arith::kAdd);
-      add("aten::sub", overload, Arith::kSub);
-      add("aten::mul", overload, Arith::kMul);
-      // (Comparisons in place write self's dtype, not bool: left to ATen.)
-      add("aten::eq", overload, Arith::kEq);
-      add("aten::ne", overload, Arith::kNe);
-      add("aten::lt", overload, Arith::kLt);
-      add("aten::le", overload, Arith::kLe);
-      add("aten::gt", overload, Arith::kGt);
-      add("aten::ge", overload, Arith::kGe);
-    }
+    // (Comparisons in place write self's dtype, not bool: left to ATen.)
+    static constexpr std::pair<const char*, Arith> kTaken[] = {
+        {"aten::add_", Arith::kAdd}, {"aten::sub_", Arith::kSub}, {"aten::mul_", Arith::kMul},
+        {"aten::add", Arith::kAdd},  {"aten::sub", Arith::kSub},  {"aten::mul", Arith::kMul},
+        {"aten::eq", Arith::kEq},    {"aten::ne", Arith::kNe},    {"aten::lt", Arith::kLt},
+        {"aten::le", Arith::kLe},    {"aten::gt", Arith::kGt},    {"aten::ge", Arith::kGe}};
+    for (const char* overload : {"Tensor", "Scalar"})
+      for (const auto& [name, arith] : kTaken) add(name, overload, arith);
     return out;
   }();
   for (const Known& k : known)
