@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import statistics
 import contextlib
 import sys
 import time
@@ -56,37 +57,74 @@ def data(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield batches[i % len(batches)]
 
 
-def train(steps: int, warm: int, terra: bool) -> Run:
-    model, opt = make()
-    if terra:
-        model = terra_torch.wrap(model)  # the one added line
-    torch.manual_seed(1)  # dropout's random stream, the same for both runs
-    losses: list[torch.Tensor] = []
-    out = io.StringIO()
-    start = time.perf_counter()
-    steady_start = start
-    with contextlib.redirect_stdout(out):
-        for i, (x, y) in enumerate(data(steps)):
-            if i == warm:
-                steady_start = time.perf_counter()
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-            if i % LOG_EVERY == 0:
-                print(f"  step {i:4d}  loss {loss.item():.4f}")
+class Job:
+    """One training run: a model, its optimizer and its batches, stepped on in blocks."""
+
+    def __init__(self, terra: bool, steps: int) -> None:
+        self.model, self.opt = make()
+        self.terra = terra
         if terra:
-            terra_torch.synchronize()  # parameters final, every placeholder has its value
-    end = time.perf_counter()
-    run = Run([float(v) for v in losses], [p.detach().clone() for p in model.parameters()],
-              end - start, end - steady_start, out.getvalue())
+            self.model = terra_torch.wrap(self.model)  # the one added line
+        self.batches = data(steps)
+        self.step = 0
+        self.losses: list[torch.Tensor] = []
+        self.out = io.StringIO()
+
+    def run(self, n: int, sync: bool = True) -> float:
+        """Trains `n` steps (the user's loop); returns the seconds they took, with `sync` the graph's
+        work for them included."""
+        start = time.perf_counter()
+        model, opt = self.model, self.opt
+        with contextlib.redirect_stdout(self.out):
+            for _ in range(n):
+                i = self.step
+                x, y = next(self.batches)
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                self.losses.append(loss.detach())
+                if i % LOG_EVERY == 0:
+                    print(f"  step {i:4d}  loss {loss.item():.4f}")
+                self.step += 1
+            if self.terra and sync:
+                terra_torch.synchronize()  # parameters final, every placeholder has its value
+        return time.perf_counter() - start
+
+
+def train(steps: int, warm: int, terra: bool) -> Run:
+    job = Job(terra, steps)
+    torch.manual_seed(1)  # dropout's random stream, the same for both runs
+    first = job.run(warm, sync=False)
+    rest = job.run(steps - warm)
+    run = Run([float(v) for v in job.losses], [p.detach().clone() for p in job.model.parameters()],
+              first + rest, rest, job.out.getvalue())
     if terra:
-        run.stats = terra_torch.stats(model)
+        run.stats = terra_torch.stats(job.model)
         run.fallbacks = [f"iteration {f.iteration} at {f.source_line}: {f.reason}"
-                         for f in model._terra_program.fallbacks]
-        terra_torch.unwrap(model)
+                         for f in job.model._terra_program.fallbacks]
+        terra_torch.unwrap(job.model)
     return run
+
+
+def interleaved(rounds: int, block: int, warm: int) -> list[tuple[float, float]]:
+    """Seconds per block of `block` steps, eager and terra, in alternating order per round.
+
+    One run of each is at the mercy of whatever else this machine runs at that moment (a shared
+    machine moves a 0.1 s run by 20% and more); blocks taken in turn see the same load, and the
+    median of the rounds' ratios is what the speed line reports (benchmarks.step_ab does the same
+    across processes).
+    """
+    jobs = {name: Job(name == "terra", warm + rounds * block) for name in ("eager", "terra")}
+    for job in jobs.values():
+        job.run(warm)  # terra: tracing, graph generation, the first co-executed iterations
+    times = []
+    for r in range(rounds):
+        order = ("eager", "terra") if r % 2 == 0 else ("terra", "eager")
+        t = {name: jobs[name].run(block) for name in order}
+        times.append((t["eager"], t["terra"]))
+    terra_torch.unwrap(jobs["terra"].model)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warm", type=int, default=50, help="steps excluded from the steady rate")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="interleaved rounds for the speed figure (0: skip them)")
+    p.add_argument("--block", type=int, default=200, help="steps per block of a round")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"terra_torch {terra_torch.__version__} on torch {torch.__version__}, "
@@ -111,11 +152,18 @@ def main(argv: list[str] | None = None) -> int:
                       None)
     steady = args.steps - args.warm
     print()
-    print(f"{'':22s}{'whole run':>14s}{f'steps {args.warm}..{args.steps - 1}':>18s}")
-    for name, run in (("eager", eager), ("terra_torch.wrap", terra)):
-        print(f"  {name:20s}{args.steps / run.seconds:10.0f} st/s{steady / run.steady_seconds:14.0f} st/s")
-    print(f"  terra / eager: {eager.seconds / terra.seconds:.2f}x whole run, "
-          f"{eager.steady_seconds / terra.steady_seconds:.2f}x steady (> 1 is faster than eager)")
+    print(f"first {args.steps} steps (one run each, tracing included): eager {args.steps / eager.seconds:.0f} "
+          f"st/s, terra_torch.wrap {args.steps / terra.seconds:.0f} st/s "
+          f"({eager.seconds / terra.seconds:.2f}x)")
+    if args.rounds > 0:
+        times = interleaved(args.rounds, args.block, args.warm)
+        ratios = sorted(e / t for e, t in times)
+        eager_ms = statistics.median(1e3 * e / args.block for e, _ in times)
+        terra_ms = statistics.median(1e3 * t / args.block for _, t in times)
+        print(f"steady state, {args.rounds} rounds of {args.block} steps each, eager and terra in turn "
+              f"(median): eager {eager_ms:.3f} ms/step, terra_torch.wrap {terra_ms:.3f} ms/step")
+        print(f"  terra / eager: {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}x .. "
+              f"{ratios[-1]:.2f}x; > 1 is faster than eager)")
     print()
     print(f"losses identical to eager (all {args.steps}): {same_losses}"
           + ("" if first_diff is None else f" (first difference at step {first_diff}: "
