@@ -283,8 +283,16 @@ void KnownValues::note_written(const at::Tensor& t) {
     written_overflow_ = true;  // from now on no tensor counts as fresh (safe, only slower)
     return;
   }
-  const c10::Storage& storage = t.storage();
-  written_.insert_or_assign(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+  const c10::Storage& storage = t.unsafeGetTensorImpl()->unsafe_storage();
+  const auto it = written_.find(storage.unsafeGetStorageImpl());
+  // An optimizer writes the same parameters and moments every step: an entry that still names
+  // this storage stays as it is (assigning it again took and dropped a weak reference, two
+  // atomic writes to a storage the worker's kernels use at the same time).
+  if (it == written_.end())
+    written_.emplace(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+  else if (it->second.expired())
+    it->second = storage.getWeakStorageImpl();
+  // (Asked every time: Python may have been handed the memory as an array since.)
   if (python_writable_memory(t)) written_memory_.note(storage);
 }
 

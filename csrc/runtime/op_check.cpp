@@ -62,7 +62,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
       const uint32_t s = slot++;
       const OpCheckPlan::Input& input = check_plan_.input(checks, s);
       const int64_t fslot = input.feed;
-      const emit::EmittedGraph::Selection* selection = selection_at(input, here);
+      const emit::EmittedGraph::Selection* selection = check_plan_.selected_at(input, here);
       if (in.value.is_external()) {
         if (selection != nullptr) plan_.push_back(decision(selection->site, 0));  // (the graph takes the feed)
         const at::Tensor& t = region.external_tensors().at(in.value.external);
@@ -97,9 +97,8 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
                          index);
         plan_.push_back(decision(selection->site, j));
       } else if (input.checked != nullptr) {
-        const auto per_copy = input.checked->find(here);  // (a copy the emitter never saw: no read passes)
-        if (per_copy == input.checked->end() ||
-            !reads_latest(per_copy->second, in.value.record, static_cast<uint32_t>(in.value.output)))
+        const auto* producers = check_plan_.checked_at(input, here);  // (a copy the emitter never saw: no read passes)
+        if (producers == nullptr || !reads_latest(*producers, in.value.record, static_cast<uint32_t>(in.value.output)))
           return diverge(detail::op_name(rec) + " reads another value than the one the graph reads there", index);
       }
       if (in_loop(producer) || in_loop(node)) {
@@ -234,12 +233,6 @@ bool PythonRunner::reads_latest(const std::vector<emit::EmittedGraph::ReadProduc
     if (ran != nullptr) last = std::max(last, ran->record);
   }
   return member && last == record;
-}
-
-const emit::EmittedGraph::Selection* PythonRunner::selection_at(const OpCheckPlan::Input& input, uint64_t copy) {
-  if (input.selected == nullptr) return nullptr;
-  const auto c = input.selected->find(copy);
-  return c == input.selected->end() ? nullptr : &c->second;
 }
 
 bool PythonRunner::in_loop(trace::NodeId n) const {
