@@ -129,6 +129,23 @@ class QuietOverrideHandler : public c10::WarningHandler {
   c10::WarningHandler* next_;
 };
 
+// Ops on sparse and quantized tensors inside a region, and factories of them: as for nested
+// tensors, our backend bit makes the dispatcher pick their PrivateUse3 keys, which have no
+// kernels of torch's. The first one ends the region's capture (Region::stop_at_unsupported_layout:
+// the program then runs eagerly, with the reason); it and every op after it run as the device's
+// own kernels. nn.Embedding(sparse=True) under terra_torch.function raised NotImplementedError in
+// its first backward (`_sparse_coo_tensor_with_dims_and_tensors` on SparsePrivateUse3): wrap()
+// asks its modules beforehand, a step function has none to ask.
+template <const char* kLayout>
+void unsupported_layout_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (Region* region = intercepting_region()) region->stop_at_unsupported_layout(op, kLayout);
+  SuspendGuard suspend;
+  op.redispatchBoxed(ks.remove_backend(kTerraBackendBit), stack);
+}
+constexpr char kSparse[] = "sparse";
+constexpr char kSparseCsr[] = "sparse compressed";
+constexpr char kQuantized[] = "quantized";
+
 torch::Library& backend_select_library() {
   static torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::BackendSelect, __FILE__, __LINE__);
   return lib;
@@ -150,18 +167,32 @@ size_t install_interceptor() {
       if (!op || !op->hasSchema()) continue;
       bool composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
                        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
-      if (!composite || op->hasKernelForDispatchKey(kTerraKey)) continue;
+      if (!composite) continue;
       auto ns = name.getNamespace();
       if (!ns) continue;
       std::string ns_str(*ns);
-      auto& lib = libraries[ns_str];
-      if (!lib) {
-        lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns_str, kTerraKey, __FILE__, __LINE__);
-      }
       std::string unqualified = name.name.substr(ns_str.size() + 2);
       if (!name.overload_name.empty()) unqualified += "." + name.overload_name;
-      lib->impl(unqualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&terra_kernel>());
-      ++count;
+      // The same precedence keeps the composite kernel from the sparse and quantized keys, whose
+      // fallbacks (unsupported_layout_kernel) would otherwise never run for such ops: AccumulateGrad's
+      // clone of a sparse gradient ran the dense composite clone and raised "Cannot access storage
+      // of SparseTensorImpl".
+      const std::pair<c10::DispatchKey, torch::CppFunction (*)()> keys[] = {
+          {kTerraKey, [] { return torch::CppFunction::makeFromBoxedFunction<&terra_kernel>(); }},
+          {c10::DispatchKey::SparsePrivateUse3,
+           [] { return torch::CppFunction::makeFromBoxedFunction<&unsupported_layout_kernel<kSparse>>(); }},
+          {c10::DispatchKey::SparseCsrPrivateUse3,
+           [] { return torch::CppFunction::makeFromBoxedFunction<&unsupported_layout_kernel<kSparseCsr>>(); }},
+          {c10::DispatchKey::QuantizedPrivateUse3,
+           [] { return torch::CppFunction::makeFromBoxedFunction<&unsupported_layout_kernel<kQuantized>>(); }},
+      };
+      for (const auto& [key, kernel] : keys) {
+        if (op->hasKernelForDispatchKey(key)) continue;
+        auto& lib = libraries[ns_str + "/" + c10::toString(key)];
+        if (!lib) lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns_str, key, __FILE__, __LINE__);
+        lib->impl(unqualified.c_str(), kernel());
+        if (key == kTerraKey) ++count;
+      }
     }
     // Factories: take over their BackendSelect kernels (see factory_kernel).
     QuietOverrideHandler quiet(c10::WarningUtils::get_warning_handler());
@@ -201,4 +232,16 @@ void nested_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
 
 TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse3, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&nested_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse3, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&terra::capture::unsupported_layout_kernel<terra::capture::kSparse>>());
+}
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse3, m) {
+  m.fallback(
+      torch::CppFunction::makeFromBoxedFunction<&terra::capture::unsupported_layout_kernel<terra::capture::kSparseCsr>>());
+}
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse3, m) {
+  m.fallback(
+      torch::CppFunction::makeFromBoxedFunction<&terra::capture::unsupported_layout_kernel<terra::capture::kQuantized>>());
 }

@@ -423,7 +423,8 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
     if (v.isTensor() && v.toTensor().is_nested()) {
-      stop_capturing(c10::toString(op.operator_name()) + " takes a nested tensor", -1);
+      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " takes a nested tensor)",
+                     -1);
       run_real(op, ks, stack);
       return;
     }
@@ -498,7 +499,16 @@ void Region::stop_capturing(std::string why, int32_t index) {
   // that follow run for real on them.
   if (mode_ == Mode::CoExec && hook_ != nullptr) hook_->refuse(index, why);
   mode_ = Mode::Record;
-  unsupported_ = "nested tensors are not captured (" + why + ")";
+  unsupported_ = std::move(why);
+}
+
+void Region::stop_at_unsupported_layout(const c10::OperatorHandle& op, const char* layout) {
+  const HandlingOnThisThread handling;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!unsupported_.empty()) return;
+  stop_capturing(std::string(layout) + " tensors are not captured (" + c10::toString(op.operator_name()) +
+                     " makes or reads one)",
+                 -1);
 }
 
 void Region::note_data_replaced(const at::Tensor& self, const at::Tensor& from) {
@@ -547,7 +557,8 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor() && v.toTensor().is_nested()) {
       // (torch._nested_tensor_from_mask: nothing after it is recorded, see unsupported())
-      stop_capturing(c10::toString(op.operator_name()) + " gives a nested tensor", report ? index : -1);
+      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " gives a nested tensor)",
+                     report ? index : -1);
       return;
     }
   }

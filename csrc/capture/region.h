@@ -59,6 +59,11 @@ class Region {
   // From then on the region runs every op for real and records nothing; the Python side runs
   // the program eagerly.
   const std::string& unsupported() const { return unsupported_; }
+  // An op on a `layout` ("sparse", "quantized") tensor, which reaches the fallback of its own
+  // PrivateUse3 key (interceptor.cpp), never handle(): from here on the region records nothing
+  // and runs every op for real, as after a nested tensor (unsupported()); in co-execution the
+  // graph stops first and the placeholders get their values.
+  void stop_at_unsupported_layout(const c10::OperatorHandle& op, const char* layout);
 
   Mode mode() const { return mode_; }
   const Trace& trace() const { return trace_; }

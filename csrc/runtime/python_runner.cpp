@@ -317,13 +317,39 @@ PythonRunner::Verdict PythonRunner::check_raised(const capture::Region& region, 
                  index);
 }
 
-void PythonRunner::bind_base_first(const at::Tensor& view) {
-  if (!view.is_view()) return;
-  const at::Tensor base(view._base());
-  if (!capture::is_placeholder(base) || capture::adopt_if_backed(base)) return;
-  const auto linked = linked_index(base);
-  if (!linked) return;  // (not covered: the rest of the storage stays as the view's bind leaves it)
-  if (std::optional<at::Tensor> v = values_->value(*linked)) refresh(base, *v);
+void PythonRunner::bind_base_first(const at::Tensor& part) {
+  if (part.is_view()) {
+    const at::Tensor base(part._base());
+    if (!capture::is_placeholder(base) || capture::adopt_if_backed(base)) return;
+    if (const auto linked = linked_index(base)) {
+      if (std::optional<at::Tensor> v = values_->value(*linked)) {
+        refresh(base, *v);
+        return;
+      }
+    }
+  }
+  // No view whose base has a value here: `.data` or `.detach()` of a view is a tensor over part of
+  // its base's storage that records no base. torch.nn.utils.vector_to_parameters makes two such
+  // (`p.data = vec[i:j].view_as(p).data` for every parameter): the first one bound gave the storage
+  // memory and wrote its own part only, and the second, over memory now, was taken for an ordinary
+  // tensor with garbage in its part (hunt of session 31: a Linear's bias 0 or 1e30). The value the
+  // table holds for the whole storage, if any, fills it first.
+  c10::StorageImpl* storage = part.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr || storage->data() != nullptr || storage->nbytes() == 0) return;
+  if (part.storage_offset() == 0 && part.is_contiguous() && part.numel() * part.element_size() == storage->nbytes())
+    return;  // (it fills the storage itself)
+  const auto whole = values_->index_covering(storage, part.dtype(), storage->nbytes());
+  if (!whole) return;  // (not covered: the rest of the storage stays as the part's bind leaves it)
+  const std::optional<at::Tensor> v = values_->value(*whole);
+  if (!v || !v->defined()) return;
+  c10::Allocator* allocator = c10::GetAllocator(part.device().type());
+  storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
+  storage->set_allocator(allocator);
+  capture::SuspendGuard no_interception;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
+  at::Tensor over = at::empty({0}, v->options());
+  over.set_(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage)), 0, v->sizes(), v->strides());
+  over.copy_(*v);
 }
 
 void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {

@@ -197,9 +197,10 @@ class PythonRunner final : public capture::CoExecHook {
   // real ops) and throws `error`. Placeholders whose values the graph had not computed stay
   // without one (an op that reads one raises, Region::handle).
   [[noreturn]] void recover_from_failure(const std::string& error);
-  // Before a view placeholder is given its value: its base placeholder, when it has one in the
-  // value table, gets its whole value (see refresh).
-  void bind_base_first(const at::Tensor& view);
+  // Before a placeholder over part of a storage is given its value: its base placeholder, when it
+  // has one in the value table, gets its whole value, or, for a part that records no base (`.data`
+  // of a view), the value the table holds for the whole storage fills it (see refresh).
+  void bind_base_first(const at::Tensor& part);
   void refresh(const at::Tensor& holder, const at::Tensor& value);
   // How much of the output sequence a read of `args` waits for (python_runner.cpp).
   int64_t read_horizon(c10::ArrayRef<c10::IValue> args) const;
@@ -215,8 +216,6 @@ class PythonRunner final : public capture::CoExecHook {
   bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
   // outputs() without the known values: the value-table claims and links of the outputs.
   void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
-  // The selection the graph makes at `input` for the cursor's copy, if any.
-  static const emit::EmittedGraph::Selection* selection_at(const OpCheckPlan::Input& input, uint64_t copy);
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
   // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().

@@ -214,6 +214,26 @@ std::optional<int64_t> ValueTable::index_over_storage(const at::Tensor& t) {
   return found;
 }
 
+std::optional<int64_t> ValueTable::index_covering(const c10::StorageImpl* storage, caffe2::TypeMeta dtype,
+                                                   size_t nbytes) {
+  const PythonLock lock(*this);
+  std::optional<int64_t> found;
+  entries_.for_each([&](int64_t index, const Entry& e) {
+    if (!e.storage || e.storage->_unsafe_get_target() != storage || e.storage->expired() || e.retired) return;
+    if (e.options.dtype() != dtype || e.storage_offset != 0) return;
+    int64_t numel = 1, expected_stride = 1;
+    bool contiguous = true;
+    for (size_t d = e.sizes.size(); d-- > 0;) {
+      if (e.sizes[d] != 1 && e.strides[d] != expected_stride) contiguous = false;
+      expected_stride *= e.sizes[d];
+      numel *= e.sizes[d];
+    }
+    if (!contiguous || static_cast<size_t>(numel) * dtype.itemsize() != nbytes) return;
+    if (!found || index > *found) found = index;
+  });
+  return found;
+}
+
 int64_t ValueTable::published() const {
   std::lock_guard lock(mu_);
   return published_;

@@ -66,6 +66,10 @@ class ValueTable {
   // kept while the storage lives, see Entry::storage). A search over the table: for the rare
   // tensor PythonRunner::linked_index finds no link for.
   std::optional<int64_t> index_over_storage(const at::Tensor& t);
+  // The newest entry (not retired) whose value fills the whole of `storage` (a dataless
+  // placeholder storage of `nbytes` bytes): offset 0, contiguous, of `dtype`. The base of the
+  // tensors over that storage, when no view records it (PythonRunner::bind_base_first).
+  std::optional<int64_t> index_covering(const c10::StorageImpl* storage, caffe2::TypeMeta dtype, size_t nbytes);
   int64_t published() const;
   // Spins (common/spin.h) until published() >= count, without the lock. True when reached.
   bool spin_published(int64_t count, std::chrono::nanoseconds budget) const;

@@ -115,3 +115,70 @@ def test_a_parameter_replaced_then_updated_in_place():
     stats, fallbacks = check_bitwise(make, step, STEPS)
     # (one divergence: the first replacement is a new path)
     assert stats.iterations["coexec"] >= STEPS - 5 and len(fallbacks) <= 1, (stats.iterations, fallbacks)
+
+
+def _vector_to_parameters_run(terra: bool, steps: int):
+    """A Linear whose parameters are set from one new vector every iteration by
+    torch.nn.utils.vector_to_parameters (`p.data = vec[i:j].view_as(p).data`: two tensors over
+    parts of one storage that record no base), read by the forward under no_grad."""
+    import terra_torch
+    from torch.nn.utils import vector_to_parameters
+
+    torch.manual_seed(0)
+    lin = nn.Linear(2, 1)
+    f = terra_torch.wrap(lin, speed_check=False) if terra else lin
+    x = torch.tensor([[1.0, 2.0]])
+    out = []
+    with torch.no_grad():
+        for i in range(steps):
+            vector_to_parameters(torch.arange(3.0) * 0.5 + i, lin.parameters())
+            out.append(f(x))
+    if terra:
+        terra_torch.synchronize()
+        return out, terra_torch.stats(f)
+    return out, None
+
+
+def test_vector_to_parameters_every_iteration():
+    """Session 31 hunt: from the first co-executed iteration the bias (the second part of the
+    vector's storage) read 0 or garbage such as 1e30: the weight's part was bound first, which
+    gave the storage memory, and the bias's part then passed for an ordinary tensor holding its
+    value (PythonRunner::bind_base_first)."""
+    expected, _ = _vector_to_parameters_run(False, 40)
+    got, stats = _vector_to_parameters_run(True, 40)
+    assert [v.item() for v in got] == [v.item() for v in expected]
+    calls = stats.evaluation.iterations  # (calls under no_grad: the model's evaluation program)
+    assert calls["coexec"] >= 30, calls
+
+
+def test_training_step_through_vector_to_parameters():
+    """A flat-vector SGD step written with parameters_to_vector / vector_to_parameters under
+    terra_torch.function: losses and parameters bit for bit over 50 iterations."""
+    import terra_torch
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+        def step(i):
+            loss = F.cross_entropy(model(X[i % 4]), Y[i % 4])
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                flat = parameters_to_vector(model.parameters())
+                grads = parameters_to_vector(p.grad for p in model.parameters())
+                vector_to_parameters(flat - 0.1 * grads, model.parameters())
+            return loss.detach()
+
+        fn = terra_torch.function(step, speed_check=False) if terra else step
+        losses = [fn(i) for i in range(STEPS)]
+        if terra:
+            terra_torch.synchronize()
+        return [v.item() for v in losses], [p.detach().clone() for p in model.parameters()], fn
+
+    e_losses, e_params, _ = run(False)
+    t_losses, t_params, fn = run(True)
+    assert t_losses == e_losses
+    assert all(torch.equal(a, b) for a, b in zip(e_params, t_params))
+    assert terra_torch.stats(fn).iterations["coexec"] >= STEPS - 10, terra_torch.stats(fn).iterations
