@@ -221,6 +221,8 @@ TensorMeta meta_of(const c10::TensorImpl& t) {
   m.strides.assign(t.strides().begin(), t.strides().end());
   m.storage_offset = t.storage_offset();
   m.requires_grad = t.requires_grad();
+  m.conj = t.is_conj();
+  m.neg = t.is_neg();
   return m;
 }
 

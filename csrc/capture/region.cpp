@@ -207,7 +207,8 @@ std::optional<ValueRef> Region::find_produced(const at::Tensor& t) const {
       for (auto alias = entry->aliases.rbegin(); alias != entry->aliases.rend(); ++alias) {
         const TensorMeta& m = trace_.ops[alias->record].outputs[alias->output];
         if (m.storage_offset == impl->storage_offset() && caffe2::TypeMeta::fromScalarType(m.dtype) == impl->dtype() &&
-            c10::IntArrayRef(m.sizes) == impl->sizes() && c10::IntArrayRef(m.strides) == impl->strides())
+            c10::IntArrayRef(m.sizes) == impl->sizes() && c10::IntArrayRef(m.strides) == impl->strides() &&
+            m.conj == impl->is_conj() && m.neg == impl->is_neg())
           return *alias;
       }
     }

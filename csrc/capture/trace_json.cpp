@@ -131,7 +131,9 @@ json meta_to_json(const TensorMeta& m) {
           std::vector<int64_t>(m.sizes.begin(), m.sizes.end()),
           std::vector<int64_t>(m.strides.begin(), m.strides.end()),
           m.storage_offset,
-          m.requires_grad};
+          m.requires_grad,
+          m.conj,
+          m.neg};
 }
 
 TensorMeta meta_from_json(const json& j) {
@@ -142,6 +144,8 @@ TensorMeta meta_from_json(const json& j) {
   for (const auto& s : j.at(4)) m.strides.push_back(s.get<int64_t>());
   m.storage_offset = j.at(5).get<int64_t>();
   m.requires_grad = j.at(6).get<bool>();
+  m.conj = j.size() > 7 && j.at(7).get<bool>();  // (absent in traces written before the math bits)
+  m.neg = j.size() > 8 && j.at(8).get<bool>();
   return m;
 }
 

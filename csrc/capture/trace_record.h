@@ -22,9 +22,14 @@ struct TensorMeta {
   c10::SmallVector<int64_t, 6> strides;
   int64_t storage_offset = 0;
   bool requires_grad = false;
+  // The math bits: a conjugate or negative view (autograd's backward of `mul` on complex tensors
+  // takes `other.conj()`) has its base's storage and layout; without them a later read of the
+  // base was taken for a read of the view (Region::find_produced), and SGD updated conj(p).
+  bool conj = false;
+  bool neg = false;
   bool operator==(const TensorMeta& o) const {
     return dtype == o.dtype && device == o.device && sizes == o.sizes && strides == o.strides &&
-           storage_offset == o.storage_offset && requires_grad == o.requires_grad;
+           storage_offset == o.storage_offset && requires_grad == o.requires_grad && conj == o.conj && neg == o.neg;
   }
 };
 

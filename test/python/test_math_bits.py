@@ -69,3 +69,71 @@ def test_conjugate_product_under_no_grad_reads_the_right_value():
         terra_torch.unwrap(w)
     assert got == [e.item() for e in eager]
     assert stats.evaluation.iterations["coexec"] >= 4, stats.evaluation.iterations
+
+
+class ComplexProduct(nn.Module):
+    """Two complex parameters multiplied: autograd's backward of `mul` takes `other.conj()`, a
+    conjugate view over each parameter's storage with the parameter's layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([1.0 + 2.0j, -0.5 + 0.25j]))
+        self.q = nn.Parameter(torch.tensor([0.5 - 1.0j, 2.0 + 0.5j]))
+
+    def forward(self, x):
+        return ((self.p * self.q) * x).abs().sum()
+
+
+def _complex_product_step(model, opt, i):
+    loss = model(torch.tensor([1.0 + 0.1 * (i % 5), 0.5]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():  # a read of a parameter after the backward
+        seen = (model.p * 1.0).tolist()
+    return loss.item(), seen
+
+
+def test_complex_parameters_after_their_conjugate_views():
+    """Session 31 hunt: once co-executing, a read of a complex parameter after the backward was
+    taken for a read of the conjugate view autograd made of it (the same storage and layout;
+    Region::find_produced did not compare the math bits): SGD updated conj(p), a read returned
+    conj(p), and Adam raised "view_as_real doesn't work on unresolved conjugated tensors"."""
+    for make_opt in (lambda ps: torch.optim.SGD(ps, lr=0.05), lambda ps: torch.optim.Adam(ps, lr=0.01)):
+        def make():
+            model = ComplexProduct()
+            return model, make_opt(model.parameters())
+
+        stats, fallbacks = check_bitwise(make, _complex_product_step, STEPS)
+        assert stats.iterations["coexec"] >= STEPS - 5 and not fallbacks, (stats.iterations, fallbacks)
+
+
+class Rotary(nn.Module):
+    """The RoPE pattern: one complex buffer multiplies two activations (queries and keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.register_buffer("c", torch.polar(torch.ones(2), torch.tensor([0.3, 1.1])))
+
+    def forward(self, x):
+        q, k = torch.view_as_complex(self.lin(x).reshape(-1, 2, 2, 2)).unbind(1)
+        return ((q * self.c) * (k * self.c)).real.mean()
+
+
+def test_complex_buffer_read_by_two_products():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+
+    def make():
+        model = Rotary()
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def step(model, opt, i):
+        loss = model(x * (1 + 0.01 * (i % 3)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach(), None
+
+    stats, fallbacks = check_bitwise(make, step, STEPS)
+    assert stats.iterations["coexec"] >= STEPS - 5 and not fallbacks, (stats.iterations, fallbacks)
