@@ -141,14 +141,43 @@ def wrap(model: torch.nn.Module, *, mode: str = "coexec", optimize: bool | str =
         model.register_state_dict_pre_hook(sync_all),
         model._register_load_state_dict_pre_hook(sync_all),
     ]
-    # (an instance attribute: copy.deepcopy looks __deepcopy__ up with getattr on the object)
+    # (instance attributes: copy.deepcopy and pickle look __deepcopy__ and __reduce_ex__ up with
+    # getattr on the object)
     model.__deepcopy__ = functools.partial(_copy_unwrapped, model)  # type: ignore[attr-defined]
+    model.__reduce_ex__ = functools.partial(_reduce_unwrapped, model)  # type: ignore[method-assign]
     return model
 
 
 # What wrap() adds to a module's __dict__ (unwrap() takes them back).
 _WRAPPER_ATTRIBUTES = ("forward", "_terra_program", "_terra_lowering", "_terra_forward", "_terra_handles",
-                       "__deepcopy__")
+                       "__deepcopy__", "__reduce_ex__")
+
+
+def _synchronize_programs(model: torch.nn.Module) -> None:
+    program: Program = model._terra_program  # type: ignore[assignment]
+    program.synchronize()
+    if program.evaluation is not None:
+        program.evaluation.synchronize()
+
+
+def _reduce_unwrapped(model: torch.nn.Module, protocol: int) -> Any:
+    """pickle of a wrapped module (`torch.save(model, path)`): what eager would write, an ordinary
+    module. The wrapper's attributes (a local forward, the program with its worker thread) and its
+    state_dict hooks cannot be pickled ("Can't pickle local object 'wrap.<locals>.sync_all'") and
+    mean nothing in another process; the graph is waited for first, as for a copy."""
+    _synchronize_programs(model)
+    reduced = type(model).__reduce_ex__(model, protocol)
+    if len(reduced) < 3 or not isinstance(reduced[2], dict):
+        return reduced
+    state = {k: v for k, v in reduced[2].items() if k not in _WRAPPER_ATTRIBUTES}
+    own_forward = model.__dict__.get("_terra_forward")
+    if own_forward is not None:  # the user's own forward attribute, as eager pickles it
+        state["forward"] = own_forward
+    ours = {h.id for h in model.__dict__.get("_terra_handles", ())}
+    for name in ("_state_dict_pre_hooks", "_load_state_dict_pre_hooks"):
+        if name in state:
+            state[name] = type(state[name])((k, v) for k, v in state[name].items() if k not in ours)
+    return (*reduced[:2], state, *reduced[3:])
 
 
 def _copy_unwrapped(model: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
@@ -156,10 +185,7 @@ def _copy_unwrapped(model: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Mo
     "best model" copy): an ordinary module holding what eager's copy would hold, not wrapped. The
     graph is waited for first, since it may still owe the parameters this iteration's updates;
     the copy shares nothing with the program (its worker thread, the graph's values)."""
-    program: Program = model._terra_program  # type: ignore[assignment]
-    program.synchronize()
-    if program.evaluation is not None:
-        program.evaluation.synchronize()
+    _synchronize_programs(model)
     saved = {k: model.__dict__.pop(k) for k in _WRAPPER_ATTRIBUTES if k in model.__dict__}
     try:
         twin = copy.deepcopy(model, memo)
@@ -228,6 +254,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         h.remove()
     del model._terra_handles  # type: ignore[attr-defined]
     model.__dict__.pop("__deepcopy__", None)
+    model.__dict__.pop("__reduce_ex__", None)
     # The forward the module had before wrap: its class's, or an instance attribute the user set
     # (DDP's own forward, and its reducer, again when it was lowered).
     own_forward = model.__dict__.pop("_terra_forward", None)

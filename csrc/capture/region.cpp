@@ -401,6 +401,21 @@ class GilForLocations {
 
 bool Region::handling_on_this_thread() { return t_handling; }
 
+namespace {
+
+// Forward-mode AD's zero tangents (`torch._efficientzerotensor`: a ZeroTensor, which ops treat as
+// zeros without reading memory; torch.func.jvp, jacfwd and hessian make them). The graph cannot
+// run ops on them: `add` on one recursed through Python's meta functions on the worker and
+// failed the first co-executed iteration (session 31 hunt). The region stops capturing there
+// (Region::unsupported), and the program runs eagerly with the reason.
+bool makes_zero_tensor(const c10::OperatorHandle& op) {
+  static const std::optional<c10::OperatorHandle> zeros =
+      c10::Dispatcher::singleton().findSchema({"aten::_efficientzerotensor", ""});
+  return zeros.has_value() && op == *zeros;
+}
+
+}  // namespace
+
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t nargs = op.schema().arguments().size();
   const HandlingOnThisThread handling;  // (our own work and the kernels we run never come back here)
@@ -420,9 +435,21 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     run_real(op, ks, stack);
     return;
   }
+  if (makes_zero_tensor(op)) {
+    stop_capturing("zero tensors are not captured (" + c10::toString(op.operator_name()) +
+                       " makes one: forward-mode AD's tangent of a value without one)",
+                   -1);
+    run_real(op, ks, stack);
+    return;
+  }
   for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor()._is_zerotensor()) {
+      stop_capturing("zero tensors are not captured (" + c10::toString(op.operator_name()) + " takes one)", -1);
+      run_real(op, ks, stack);
+      return;
+    }
     if (v.isTensor() && v.toTensor().is_nested()) {
       stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " takes a nested tensor)",
                      -1);

@@ -102,28 +102,26 @@ bool same_attribute(const c10::IValue& a, const c10::IValue& b, std::vector<int6
 
 AutogradReach reach(const BackwardCall& call, bool whole_graph) {
   AutogradReach out;
+  reach_into(call, out, whole_graph);
+  return out;
+}
+
+void reach_into(const BackwardCall& call, AutogradReach& out, bool whole_graph) {
+  out.nodes.clear();
+  out.leaves.clear();
+  out.python.clear();
   // Scratch kept per thread: a backward() per step walked a fresh hash set (a node allocation
   // per autograd node) and stack.
   thread_local common::FlatMap<Node*, bool> seen;
   thread_local std::vector<Node*> stack;
-  thread_local size_t last_nodes = 0, last_leaves = 0;
   seen.clear();
   stack.clear();
-  out.nodes.reserve(last_nodes);
-  out.leaves.reserve(last_leaves);
-  struct Sizes {  // noted on every way out
-    const AutogradReach& out;
-    ~Sizes() {
-      last_nodes = out.nodes.size();
-      last_leaves = out.leaves.size();
-    }
-  } sizes{out};
   for (const at::Tensor& root : call.roots) {
     if (!root.defined()) continue;
     Node* fn = torch::autograd::impl::gradient_edge(root).function.get();
     if (fn == nullptr) {
       out.python = "a root of backward() has no grad_fn";  // (the engine raises; let it)
-      return out;
+      return;
     }
     if (seen.try_emplace(fn).second) stack.push_back(fn);
   }
@@ -135,7 +133,7 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
     if (out.python.empty())
       if (std::string why = python_in(node); !why.empty()) {
         out.python = std::move(why);
-        if (!whole_graph) return out;
+        if (!whole_graph) return;
       }
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node); acc != nullptr && acc->variable.defined())
       out.leaves.push_back(acc->variable);
@@ -145,7 +143,6 @@ AutogradReach reach(const BackwardCall& call, bool whole_graph) {
       if (next != nullptr && seen.try_emplace(next).second) stack.push_back(next);
     }
   }
-  return out;
 }
 
 void tolerate_idle_reducer_hooks(const std::vector<at::Tensor>& leaves, bool idle) {
@@ -187,7 +184,16 @@ PythonRunner::BackwardPath PythonRunner::begin_backward(capture::Region& region,
   if (call.has_inputs) return per_op("backward(inputs=...)");
   if (!call.accumulate_grad) return per_op("torch.autograd.grad");
   if (torch::autograd::AnomalyMode::is_enabled()) return per_op("anomaly mode is on");
-  AutogradReach r = reach(call);
+  AutogradReach& r = reach_;
+  reach_into(call, r);
+  // (The leaves go when this call is over: the runner must not keep parameters alive.)
+  struct DropLeaves {
+    AutogradReach& r;
+    ~DropLeaves() {
+      r.leaves.clear();
+      r.nodes.clear();
+    }
+  } drop{r};
   if (!r.python.empty()) return per_op(r.python);
 
   BackwardMemo key;
@@ -245,7 +251,7 @@ PythonRunner::BackwardPath PythonRunner::begin_backward(capture::Region& region,
     rec->grads_before.push_back(leaf.grad());
     rec->versions_before.push_back(leaf.grad().defined() ? leaf.grad()._version() : 0);
   }
-  rec->reach = std::move(r);
+  rec->reach = r;  // (a copy: reach_ keeps its memory for the next call)
   rec->sequence_before = at::sequence_number::peek();
   recording_ = std::move(rec);
   return BackwardPath::kRecording;

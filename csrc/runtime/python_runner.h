@@ -309,6 +309,7 @@ class PythonRunner final : public capture::CoExecHook {
   // key), the call being recorded, and the memos of this graph.
   uint64_t path_ = 0;
   std::unique_ptr<BackwardRecording> recording_;
+  AutogradReach reach_;  // scratch of begin_backward (reach_into)
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
   KnownValues known_;

@@ -1059,10 +1059,55 @@ def test_the_boundary_wraps_forward_and_unwrap_gives_back_the_modules_own():
     assert not copied._state_dict_pre_hooks and not copied._load_state_dict_pre_hooks
     assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), plain.parameters()))
     assert plain._terra_program is not None  # the original stays wrapped
-    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
-        pickle.dumps(plain)  # (its wrapper functions are local objects; save the state_dict())
+    loaded = pickle.loads(pickle.dumps(plain))  # torch.save(model): what eager would write
+    assert "forward" not in loaded.__dict__ and getattr(loaded, "_terra_program", None) is None
+    assert not loaded._state_dict_pre_hooks and not loaded._load_state_dict_pre_hooks
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), plain.parameters()))
+    assert plain._terra_program is not None and "__reduce_ex__" in plain.__dict__  # still wrapped
     terra_torch.unwrap(plain)
     assert "forward" not in plain.__dict__ and plain.forward.__func__ is nn.Linear.forward
+    assert "__reduce_ex__" not in plain.__dict__ and "__deepcopy__" not in plain.__dict__
     twin = copy.deepcopy(plain)  # unwrapped, it is a plain module again
     x = torch.randn(2, 3)
     assert torch.equal(twin(x), plain(x))
+
+
+def test_torch_save_of_a_wrapped_model_mid_training():
+    """`torch.save(model, f)` of a wrapped module raised "Can't pickle local object
+    'wrap.<locals>.sync_all'" (session 31 hunt). It now writes what eager writes, after the graph
+    has finished the updates it owed: the loaded module equals eager's at that step, and the
+    wrapped one trains on, co-executing, bit for bit with eager."""
+    import io
+
+    def run(terra: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if terra:
+            model = terra_torch.wrap(model, speed_check=False)
+        g = torch.Generator().manual_seed(1)
+        losses, saved = [], None
+        for i in range(40):
+            loss = model(torch.randn(4, 6, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            if i == 25:
+                buf = io.BytesIO()
+                torch.save(model, buf)
+                buf.seek(0)
+                saved = torch.load(buf, weights_only=False)
+        if terra:
+            terra_torch.synchronize()
+            assert terra_torch.stats(model).iterations["coexec"] >= 30
+        return losses, [p.detach().clone() for p in model.parameters()], saved
+
+    e_losses, e_params, e_saved = run(False)
+    t_losses, t_params, t_saved = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(e_losses, t_losses))
+    assert all(torch.equal(a, b) for a, b in zip(e_params, t_params))
+    assert all(torch.equal(a, b) for a, b in zip(e_saved.parameters(), t_saved.parameters()))
+    assert "forward" not in t_saved.__dict__ and getattr(t_saved, "_terra_program", None) is None
+    x = torch.randn(3, 6)
+    assert torch.equal(e_saved(x), t_saved(x))
