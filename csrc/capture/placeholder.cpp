@@ -113,6 +113,13 @@ void PlaceholderImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl
   refresh_contiguous();
 }
 
+void give_memory(c10::StorageImpl& storage, c10::DeviceType device) {
+  if (storage.data() != nullptr) return;
+  c10::Allocator* allocator = c10::GetAllocator(device);
+  storage.set_data_ptr_noswap(allocator->allocate(storage.nbytes()));
+  storage.set_allocator(allocator);
+}
+
 void PlaceholderImpl::bind(const at::Tensor& value) {
   TORCH_CHECK(!is_bound(), "terra_torch: placeholder produced by ", c10::toString(producer_.operator_name()),
               " is already bound");
@@ -121,13 +128,7 @@ void PlaceholderImpl::bind(const at::Tensor& value) {
               "terra_torch: cannot bind a placeholder of ", c10::toString(producer_.operator_name()), " (",
               c10::typeMetaToScalarType(dtype()), sizes(), " on ", device(), ") to a value of ", value.scalar_type(),
               value.sizes(), " on ", value.device());
-  c10::StorageImpl* storage = storage_.unsafeGetStorageImpl();
-  if (storage->data() == nullptr) {
-    // First of its aliases to be bound: the storage gets memory of its device.
-    c10::Allocator* allocator = c10::GetAllocator(device().type());
-    storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
-    storage->set_allocator(allocator);
-  }
+  give_memory(*storage_.unsafeGetStorageImpl(), device().type());  // (first of its aliases to be bound)
   // From now on this is an ordinary tensor of its device: our backend bit gives way to the
   // device's, and data access is allowed again.
   auto device_keys = c10::DispatchKeySet(c10::computeDispatchKey(std::nullopt, std::nullopt, device()));

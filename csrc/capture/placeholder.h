@@ -69,6 +69,9 @@ bool adopt_if_backed(const at::Tensor& t);
 // whose storage has memory (an alias autograd saved of a placeholder given its value) become
 // ordinary tensors on the way (adopt_if_backed).
 bool has_unbacked_placeholder(c10::ArrayRef<c10::IValue> args);
+// A placeholder's dataless storage gets memory of `device` (uninitialized), the first time one of
+// the tensors over it is given a value; a storage that has memory keeps it.
+void give_memory(c10::StorageImpl& storage, c10::DeviceType device);
 // Binds `placeholder` (which must be a PlaceholderImpl) to `value`; see PlaceholderImpl::bind.
 void bind_placeholder(const at::Tensor& placeholder, const at::Tensor& value);
 at::Tensor make_placeholder(const TensorMeta& meta, const c10::OperatorHandle& producer);

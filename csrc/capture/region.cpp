@@ -414,6 +414,12 @@ bool makes_zero_tensor(const c10::OperatorHandle& op) {
   return zeros.has_value() && op == *zeros;
 }
 
+// Region::unsupported()'s reason: the kind of tensor co-execution does not capture (zero, nested,
+// sparse, ...) and how `op` met it.
+std::string not_captured(const char* kind, const c10::OperatorHandle& op, const char* how) {
+  return std::string(kind) + " tensors are not captured (" + c10::toString(op.operator_name()) + " " + how + ")";
+}
+
 }  // namespace
 
 void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -436,23 +442,17 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     return;
   }
   if (makes_zero_tensor(op)) {
-    stop_capturing("zero tensors are not captured (" + c10::toString(op.operator_name()) +
-                       " makes one: forward-mode AD's tangent of a value without one)",
-                   -1);
+    stop_capturing(not_captured("zero", op, "makes one: forward-mode AD's tangent of a value without one"), -1);
     run_real(op, ks, stack);
     return;
   }
   for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
     if (v.isStorage() && adopt_outside_memory(op, ks, stack)) return;
-    if (v.isTensor() && v.toTensor().defined() && v.toTensor()._is_zerotensor()) {
-      stop_capturing("zero tensors are not captured (" + c10::toString(op.operator_name()) + " takes one)", -1);
-      run_real(op, ks, stack);
-      return;
-    }
-    if (v.isTensor() && v.toTensor().is_nested()) {
-      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " takes a nested tensor)",
-                     -1);
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    const char* kind = v.toTensor()._is_zerotensor() ? "zero" : v.toTensor().is_nested() ? "nested" : nullptr;
+    if (kind != nullptr) {
+      stop_capturing(not_captured(kind, op, "takes one"), -1);
       run_real(op, ks, stack);
       return;
     }
@@ -534,9 +534,7 @@ void Region::stop_at_unsupported_layout(const c10::OperatorHandle& op, const cha
   const HandlingOnThisThread handling;
   std::lock_guard<std::mutex> lock(mu_);
   if (!unsupported_.empty()) return;
-  stop_capturing(std::string(layout) + " tensors are not captured (" + c10::toString(op.operator_name()) +
-                     " makes or reads one)",
-                 -1);
+  stop_capturing(not_captured(layout, op, "makes or reads one"), -1);
 }
 
 void Region::note_data_replaced(const at::Tensor& self, const at::Tensor& from) {
@@ -585,8 +583,7 @@ void Region::record_outputs(const c10::OperatorHandle& op, OpRecord& rec, int32_
     const c10::IValue& v = (*stack)[stack->size() - op.schema().returns().size() + r];
     if (v.isTensor() && v.toTensor().is_nested()) {
       // (torch._nested_tensor_from_mask: nothing after it is recorded, see unsupported())
-      stop_capturing("nested tensors are not captured (" + c10::toString(op.operator_name()) + " gives a nested tensor)",
-                     report ? index : -1);
+      stop_capturing(not_captured("nested", op, "gives one"), report ? index : -1);
       return;
     }
   }

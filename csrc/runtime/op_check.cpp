@@ -96,7 +96,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
           return diverge(detail::op_name(rec) + " reads a value produced by another op than the ones the graph picks among there",
                          index);
         plan_.push_back(decision(selection->site, j));
-      } else if (input.checked != nullptr) {
+      } else if (input.checked.count != 0) {
         const auto* producers = check_plan_.checked_at(input, here);  // (a copy the emitter never saw: no read passes)
         if (producers == nullptr || !reads_latest(*producers, in.value.record, static_cast<uint32_t>(in.value.output)))
           return diverge(detail::op_name(rec) + " reads another value than the one the graph reads there", index);

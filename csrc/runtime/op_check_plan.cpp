@@ -40,20 +40,10 @@ OpCheckPlan::OpCheckPlan(const emit::EmittedGraph& emitted) {
   }
   for (const auto& [key, slot] : emitted.feed_index)
     inputs_[nodes_[key >> 32].first_input + (key & 0xffffffffu)].feed = slot;
-  for (const auto& [key, per_copy] : emitted.checked_reads) {
-    Input& input = inputs_[nodes_[key >> 32].first_input + (key & 0xffffffffu)];
-    input.checked = &per_copy;
-    input.first_checked = static_cast<uint32_t>(checked_copies_.size());
-    input.num_checked = static_cast<uint32_t>(per_copy.size());
-    for (const auto& [copy, producers] : per_copy) checked_copies_.emplace_back(copy, &producers);
-  }
-  for (const auto& [key, per_copy] : emitted.selected_reads) {
-    Input& input = inputs_[nodes_[key >> 32].first_input + (key & 0xffffffffu)];
-    input.selected = &per_copy;
-    input.first_selected = static_cast<uint32_t>(selected_copies_.size());
-    input.num_selected = static_cast<uint32_t>(per_copy.size());
-    for (const auto& [copy, selection] : per_copy) selected_copies_.emplace_back(copy, &selection);
-  }
+  for (const auto& [key, per_copy] : emitted.checked_reads)
+    inputs_[nodes_[key >> 32].first_input + (key & 0xffffffffu)].checked = flatten(per_copy, checked_copies_);
+  for (const auto& [key, per_copy] : emitted.selected_reads)
+    inputs_[nodes_[key >> 32].first_input + (key & 0xffffffffu)].selected = flatten(per_copy, selected_copies_);
   for (const auto& [n, why] : emitted.unsupported) nodes_[n].unsupported = &why;
   for (const auto& [n, uses] : emitted.node_scalars) nodes_[n].scalars = &uses;
   for (const auto& [n, generators] : emitted.node_generators) nodes_[n].generators = &generators;

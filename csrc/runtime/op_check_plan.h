@@ -35,15 +35,16 @@ namespace terra::runtime {
 
 class OpCheckPlan {
  public:
-  using CheckedRead = std::unordered_map<uint64_t, std::vector<emit::EmittedGraph::ReadProducer>>;  // per copy
-  using SelectedRead = std::unordered_map<uint64_t, emit::EmittedGraph::Selection>;                  // per copy
-
+  using Producers = std::vector<emit::EmittedGraph::ReadProducer>;
+  // An input's entries, one per copy it was seen in: `count` (copy, entry) pairs from `first` in
+  // one of the plan's flat arrays.
+  struct Copies {
+    uint32_t first = 0, count = 0;
+  };
   struct Input {
-    int64_t feed = -1;                      // the feed slot of this input (EmittedGraph::feed_slot)
-    const CheckedRead* checked = nullptr;   // EmittedGraph::checked_reads of this input, if any
-    const SelectedRead* selected = nullptr; // EmittedGraph::selected_reads of this input, if any
-    uint32_t first_checked = 0, num_checked = 0;    // its copies in checked_copies_
-    uint32_t first_selected = 0, num_selected = 0;  // its copies in selected_copies_
+    int64_t feed = -1;  // the feed slot of this input (EmittedGraph::feed_slot)
+    Copies checked;     // EmittedGraph::checked_reads of this input (count 0: not a checked read)
+    Copies selected;    // EmittedGraph::selected_reads of this input
   };
   struct Node {
     bool emitted = false;  // the graph has the node (it publishes an output or is a side effect)
@@ -64,29 +65,37 @@ class OpCheckPlan {
   }
   // The producers a checked read of `input` may come from in copy `copy`; null if the emitter
   // saw no read of it in that copy (or the input is not a checked read).
-  const std::vector<emit::EmittedGraph::ReadProducer>* checked_at(const Input& input, uint64_t copy) const {
-    for (uint32_t i = 0; i < input.num_checked; ++i) {
-      const auto& [c, producers] = checked_copies_[input.first_checked + i];
-      if (c == copy) return producers;
-    }
-    return nullptr;
+  const Producers* checked_at(const Input& input, uint64_t copy) const {
+    return find_copy(checked_copies_, input.checked, copy);
   }
   // The selection the graph makes at `input` in copy `copy`, if any.
   const emit::EmittedGraph::Selection* selected_at(const Input& input, uint64_t copy) const {
-    for (uint32_t i = 0; i < input.num_selected; ++i) {
-      const auto& [c, selection] = selected_copies_[input.first_selected + i];
-      if (c == copy) return selection;
-    }
-    return nullptr;
+    return find_copy(selected_copies_, input.selected, copy);
   }
 
  private:
+  template <typename T>
+  using Flat = std::vector<std::pair<uint64_t, const T*>>;
+  template <typename T>
+  static const T* find_copy(const Flat<T>& all, Copies copies, uint64_t copy) {
+    for (uint32_t i = copies.first; i < copies.first + copies.count; ++i)
+      if (all[i].first == copy) return all[i].second;
+    return nullptr;
+  }
+  // Appends an emitter map's (copy -> entry) pairs to `all`; where they lie.
+  template <typename T>
+  static Copies flatten(const std::unordered_map<uint64_t, T>& per_copy, Flat<T>& all) {
+    const Copies copies{static_cast<uint32_t>(all.size()), static_cast<uint32_t>(per_copy.size())};
+    for (const auto& [copy, entry] : per_copy) all.emplace_back(copy, &entry);
+    return copies;
+  }
+
   static const Node kNone;
   static const Input kNoInput;
   std::vector<Node> nodes_;
   std::vector<Input> inputs_;
-  std::vector<std::pair<uint64_t, const std::vector<emit::EmittedGraph::ReadProducer>*>> checked_copies_;
-  std::vector<std::pair<uint64_t, const emit::EmittedGraph::Selection*>> selected_copies_;
+  Flat<Producers> checked_copies_;
+  Flat<emit::EmittedGraph::Selection> selected_copies_;
 };
 
 }  // namespace terra::runtime

@@ -342,9 +342,7 @@ void PythonRunner::bind_base_first(const at::Tensor& part) {
   if (!whole) return;  // (not covered: the rest of the storage stays as the part's bind leaves it)
   const std::optional<at::Tensor> v = values_->value(*whole);
   if (!v || !v->defined()) return;
-  c10::Allocator* allocator = c10::GetAllocator(part.device().type());
-  storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
-  storage->set_allocator(allocator);
+  capture::give_memory(*storage, part.device().type());
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   at::Tensor over = at::empty({0}, v->options());
@@ -374,12 +372,8 @@ void PythonRunner::refresh(const at::Tensor& holder, const at::Tensor& value) {
     // (the base's value is in place; the view's own, newer where it was written in place, follows)
   }
   c10::StorageImpl* storage = holder.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-  if (storage->data() == nullptr && storage->nbytes() > 0) {
-    // A placeholder's storage that only autograd's saved copies still use: give it memory.
-    c10::Allocator* allocator = c10::GetAllocator(holder.device().type());
-    storage->set_data_ptr_noswap(allocator->allocate(storage->nbytes()));
-    storage->set_allocator(allocator);
-  }
+  // (A placeholder's storage that only autograd's saved copies still use.)
+  if (storage->nbytes() > 0) capture::give_memory(*storage, holder.device().type());
   capture::SuspendGuard no_interception;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
   without_broadcast(holder).copy_(without_broadcast(value).expand_as(without_broadcast(holder)));

@@ -16,7 +16,9 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <c10/core/Contiguity.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/util/accumulate.h>
 #include <c10/core/TensorImpl.h>
 #include <string>
 
@@ -198,40 +200,34 @@ std::optional<at::Tensor> ValueTable::value(int64_t index) {
   return e->value;
 }
 
-std::optional<int64_t> ValueTable::index_over_storage(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return std::nullopt;
-  const c10::TensorImpl& want = *t.unsafeGetTensorImpl();
-  const c10::StorageImpl* storage = want.unsafe_storage().unsafeGetStorageImpl();
+template <typename Matches>
+std::optional<int64_t> ValueTable::newest_over(const c10::StorageImpl* storage, Matches&& matches) {
   const PythonLock lock(*this);
   std::optional<int64_t> found;
   entries_.for_each([&](int64_t index, const Entry& e) {
     if (!e.storage || e.storage->_unsafe_get_target() != storage || e.storage->expired() || e.retired) return;
-    if (e.options.dtype() != want.dtype() || e.storage_offset != want.storage_offset() ||
-        c10::IntArrayRef(e.sizes) != want.sizes() || c10::IntArrayRef(e.strides) != want.strides())
-      return;
-    if (!found || index > *found) found = index;
+    if (matches(e) && (!found || index > *found)) found = index;
   });
   return found;
 }
 
+std::optional<int64_t> ValueTable::index_over_storage(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return std::nullopt;
+  const c10::TensorImpl& want = *t.unsafeGetTensorImpl();
+  return newest_over(want.unsafe_storage().unsafeGetStorageImpl(), [&](const Entry& e) {
+    return e.options.dtype() == want.dtype() && e.storage_offset == want.storage_offset() &&
+           c10::IntArrayRef(e.sizes) == want.sizes() && c10::IntArrayRef(e.strides) == want.strides();
+  });
+}
+
 std::optional<int64_t> ValueTable::index_covering(const c10::StorageImpl* storage, caffe2::TypeMeta dtype,
                                                    size_t nbytes) {
-  const PythonLock lock(*this);
-  std::optional<int64_t> found;
-  entries_.for_each([&](int64_t index, const Entry& e) {
-    if (!e.storage || e.storage->_unsafe_get_target() != storage || e.storage->expired() || e.retired) return;
-    if (e.options.dtype() != dtype || e.storage_offset != 0) return;
-    int64_t numel = 1, expected_stride = 1;
-    bool contiguous = true;
-    for (size_t d = e.sizes.size(); d-- > 0;) {
-      if (e.sizes[d] != 1 && e.strides[d] != expected_stride) contiguous = false;
-      expected_stride *= e.sizes[d];
-      numel *= e.sizes[d];
-    }
-    if (!contiguous || static_cast<size_t>(numel) * dtype.itemsize() != nbytes) return;
-    if (!found || index > *found) found = index;
+  return newest_over(storage, [&](const Entry& e) {
+    if (e.options.dtype() != dtype || e.storage_offset != 0) return false;
+    const int64_t numel = c10::multiply_integers(e.sizes);
+    return c10::_compute_contiguous<int64_t>(e.sizes, e.strides, numel) &&
+           static_cast<size_t>(numel) * dtype.itemsize() == nbytes;
   });
-  return found;
 }
 
 int64_t ValueTable::published() const {

@@ -118,6 +118,9 @@ class ValueTable {
     int32_t pins = 0;
     bool retired = false;
   };
+  // The newest entry (not retired) over `storage` that `matches`; under the lock.
+  template <typename Matches>
+  std::optional<int64_t> newest_over(const c10::StorageImpl* storage, Matches&& matches);
   static bool dead(const Entry& e) {
     if (e.storage) return e.storage->expired();
     return !e.holder || e.holder->expired();
