@@ -42,7 +42,7 @@ import torch
 log = logging.getLogger("terra_torch.fused")
 
 # Bumped when the way a body becomes a package changes: older packages are not reused.
-_COMPILER_VERSION = 4
+_COMPILER_VERSION = 5
 
 
 def cache_root() -> Path:
@@ -79,8 +79,27 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
                                                   (bases[base], sizes, strides, offset))
     casts = _WrappedCasts.of(plan)
     for name, overload, args, outs in body["nodes"]:
+        if (name, overload) == ("aten::Float", "Tensor"):  # a scalar operand's number (segments.h)
+            values[outs[0]] = _ScalarOperand(values[args[0][1]])
+            if casts:
+                casts.note_number(outs[0])
+            continue
+        if name == "aten::lift_fresh":
+            # Eager's lift_fresh returns its argument itself, and Adam writes its fresh `step`
+            # counter through it: the write must reach the input (the tensor Python keeps).
+            # Functionalization would make it lift_fresh_copy and drop the write (the
+            # executor's check caught it: the counter stayed 0), so it is the identity here.
+            values[outs[0]] = values[args[0][1]]
+            continue
         op = _overload(name, overload)
         resolved = [(spec, kind, v) for spec, (kind, v) in zip(op._schema.arguments, args)]
+        if any(kind == "v" and isinstance(values[v], _ScalarOperand) for _, kind, v in resolved):
+            node = _rewrite_scalar_operands(graph, op, {spec.name: values[v] if kind == "v" else v
+                                                        for spec, kind, v in resolved})
+            if casts:
+                casts.follow(op, resolved, outs)
+            values[outs[0]] = node
+            continue
         cast_to = casts.dtype_for(resolved) if casts else None
 
         def node_of(v: int, cast_to: torch.dtype | None = cast_to) -> torch.fx.Node:
@@ -99,6 +118,69 @@ def build_module(body: dict[str, Any], plan: dict[str, list[Any]]) -> torch.fx.G
                 values[out] = graph.call_function(operator.getitem, (node, k))
     graph.output(tuple(values[o] for o in body["outputs"]))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+class _ScalarOperand:
+    """A number a segment takes at run time (csrc/emit/segments.h, scalar_operands): a 0-dim
+    float64 input that the body turns back into a Python float with `aten::Float`."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.fx.Node) -> None:
+        self.tensor = tensor
+
+
+_A = torch.ops.aten
+
+
+def _scaled(call: Callable[..., torch.fx.Node], x: torch.fx.Node, s: Any) -> torch.fx.Node:
+    """x * s for a scalar operand or a constant number s. The operand stays a 0-dim float64
+    tensor: it ranks below x in type promotion, so the product keeps x's dtype and is computed in
+    it, as eager's kernel uses the Python number (an integer x is the exception: there eager's
+    result is float32 and this one float64, which the executor's check refuses)."""
+    if isinstance(s, _ScalarOperand):
+        return call(_A.mul.Tensor, x, s.tensor)
+    return x if s == 1 else call(_A.mul.Scalar, x, s)
+
+
+def _number(s: Any) -> Any:
+    return s.tensor if isinstance(s, _ScalarOperand) else s
+
+
+# The ops of segments.h's scalar_operands(), as tensor ops that take the number as a 0-dim
+# tensor (the decompositions torch's own refs use for these ops; not bitwise, within the
+# executor's check). Keyed by (schema name, overload); `a` maps argument names to FX nodes,
+# constants or _ScalarOperand.
+_SCALAR_OPERAND_REWRITES: dict[tuple[str, str], Callable[[Callable[..., torch.fx.Node], dict[str, Any]], torch.fx.Node]] = {
+    ("aten::addcdiv", ""): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, c(_A.div.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
+    ("aten::addcdiv_", ""): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, c(_A.div.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
+    ("aten::addcmul", ""): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, c(_A.mul.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
+    ("aten::addcmul_", ""): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, c(_A.mul.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
+    ("aten::add", "Tensor"): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
+    ("aten::add_", "Tensor"): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
+    ("aten::sub", "Tensor"): lambda c, a: c(_A.sub.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
+    ("aten::sub_", "Tensor"): lambda c, a: c(_A.sub_.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
+    ("aten::add", "Scalar"): lambda c, a: c(_A.add.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
+    ("aten::add_", "Scalar"): lambda c, a: c(_A.add_.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
+    ("aten::sub", "Scalar"): lambda c, a: c(_A.sub.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
+    ("aten::sub_", "Scalar"): lambda c, a: c(_A.sub_.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
+    ("aten::mul", "Scalar"): lambda c, a: c(_A.mul.Tensor, a["self"], _number(a["other"])),
+    ("aten::mul_", "Scalar"): lambda c, a: c(_A.mul_.Tensor, a["self"], _number(a["other"])),
+    ("aten::div", "Scalar"): lambda c, a: c(_A.div.Tensor, a["self"], _number(a["other"])),
+    ("aten::div_", "Scalar"): lambda c, a: c(_A.div_.Tensor, a["self"], _number(a["other"])),
+    ("aten::lerp", "Scalar"): lambda c, a: c(_A.lerp.Tensor, a["self"], a["end"], _number(a["weight"])),
+    ("aten::lerp_", "Scalar"): lambda c, a: c(_A.lerp_.Tensor, a["self"], a["end"], _number(a["weight"])),
+    ("aten::pow", "Tensor_Scalar"): lambda c, a: c(_A.pow.Tensor_Tensor, a["self"], _number(a["exponent"])),
+    ("aten::pow_", "Scalar"): lambda c, a: c(_A.pow_.Tensor, a["self"], _number(a["exponent"])),
+}
+
+
+def _rewrite_scalar_operands(graph: torch.fx.Graph, op: torch._ops.OpOverload, arguments: dict[str, Any]) -> torch.fx.Node:
+    key = (op._schema.name, op._schema.overload_name)
+    rewrite = _SCALAR_OPERAND_REWRITES.get(key)
+    if rewrite is None:  # (segments.cpp cuts no other op with a number computed at run time)
+        raise ValueError(f"terra_torch: no tensor form of {key[0]}.{key[1] or 'default'} with a number computed at run time")
+    return rewrite(lambda target, *args, **kwargs: graph.call_function(target, args, kwargs), arguments)
 
 
 def _call_arguments(resolved: list[tuple[Any, str, Any]], value_of: Callable[[int], Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -175,6 +257,11 @@ class _WrappedCasts:
         except Exception:  # (not an elementwise op: leave it as it is)
             return None
         return common
+
+    def note_number(self, out: int) -> None:
+        """Value `out` is a number (a scalar operand): later ops are followed with a float."""
+        if self._fakes is not None:
+            self._fakes[out] = 1.0
 
     def follow(self, op: Any, resolved: list[tuple[Any, str, Any]], outs: list[int]) -> None:
         """Runs the op on the fakes, so that later ops see its outputs' dtypes and dims."""

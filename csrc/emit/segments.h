@@ -18,16 +18,25 @@
 //
 // What a segment may hold, and why (each rule in fusible() / split_escaping_aliases() / replace()):
 // - aten ops with tensor results only, whose other arguments are constants: a compiled function
-//   is specialized to them (a Python number fed each iteration stays interpreted);
+//   is specialized to them. The one exception is a scalar operand (scalar_operands(), below): a
+//   number computed each iteration, such as Adam's step size in `addcdiv_(p, m, d, value=-lr/bc)`,
+//   enters the segment as a 0-dim tensor (`prim::NumToTensor` before the call, `aten::Float` in
+//   the body, so the interpreted body runs the op as it was);
 // - no random ops: compiled code draws other numbers than eager's kernels;
 // - results used after the segment alias there what they alias in eager: the body returns the
 //   values it computes; an in-place op's result stands for its argument (written in place by
 //   the compiled code, or returned by the body), and a view (t(), view, ...) is made again after
 //   the call from what it views, so that an optimizer's later write through it reaches the
 //   parameter. Any other aliasing result used after the segment ends the segment there.
-// terra::publish ops between the stretch's ops (co-execution graphs publish every output) move
-// after the segment call: no other channel op is crossed, so nothing Python posts is waited
-// for before them, and a waiting Python only waits until the segment has run.
+// terra::publish and terra::fetch ops between the stretch's ops (co-execution graphs publish
+// every output; a fetch is a value Python reads, as `.item()` of Adam's step counter) move after
+// the segment call: no other channel op is crossed, so nothing Python posts is waited for before
+// them, and a waiting Python only waits until the segment has run. A fetch followed by in-place
+// writes reads a copy taken where it was.
+// Nodes that read no tensor data and have no effect (constants, `x is None`, an If choosing
+// between tensors, arithmetic on numbers, and feeds where they are ready) do not end a stretch
+// unless they read what it computes: they stay in place, before the call. In a replayed
+// single-tensor Adam step this is what lets the per-parameter updates join one segment.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +45,7 @@
 
 namespace torch::jit {
 struct Graph;
+struct Node;
 }
 
 namespace terra::emit {
@@ -63,6 +73,19 @@ struct SegmentOptions {
   // Python to reach its op, and Python may wait for a value of the stretch before it does.
   bool feeds_ready = false;
 };
+
+// An op argument that may be a number computed at run time inside a segment (the Scalar
+// `value` of addcdiv_, `alpha` of add_, ...): terra_torch/_fused.py rewrites each op of this
+// table into tensor ops that take the number as a 0-dim tensor. `overload` "" is the default.
+struct ScalarOperand {
+  const char* op;
+  const char* overload;
+  const char* argument;
+};
+const std::vector<ScalarOperand>& scalar_operands();
+
+// Is input `input` of `n` a float that scalar_operands() lets a segment take at run time?
+bool is_scalar_operand(const torch::jit::Node* n, size_t input);
 
 // Cuts every stretch of `graph` (a copy; the argument is not changed). The segments k with
 // `in_place[k]` keep their ops where they are (their bodies are made all the same, so that every

@@ -18,6 +18,7 @@
 #include "emit/captured_program.h"
 #include "emit/graph_emitter.h"
 #include "emit/scripted_channel.h"
+#include "emit/segments.h"
 #include "python/bindings.h"
 #include "python/program_views.h"
 #include "runtime/executor.h"
@@ -249,6 +250,14 @@ void init_emit(py::module_& m) {
            "Graphviz DOT of the TraceGraph and its switches and loops, with op names and source lines");
 
   e.def("optimize_ir", &optimize_ir, py::arg("ir"));
+  e.def(
+      "scalar_operands",
+      [] {
+        py::list out;
+        for (const emit::ScalarOperand& s : emit::scalar_operands()) out.append(py::make_tuple(s.op, s.overload, s.argument));
+        return out;
+      },
+      "[(op, overload, argument)]: the Scalar arguments a segment may take at run time (emit/segments.h)");
   e.def("external_tensors", [](const std::shared_ptr<Region>& r) { return emit::external_tensors(*r); },
         py::arg("region"));
 }

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import terra_torch
-from terra_torch import _fused, graph
+from terra_torch import _C, _fused, graph
 
 
 def _mlp() -> torch.nn.Module:
@@ -385,6 +385,160 @@ def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypat
     assert explanation.phases["iterations"]["coexec"] >= 50
     assert all(s["state"] == "interpreted" and "no compiler in this test" in s["reason"] for s in segments), segments
     assert "stays interpreted: compiling failed" in str(explanation)
+
+
+def _scalar_operand_arguments(op: torch._ops.OpOverload, operand: str) -> tuple[dict, float]:
+    """Arguments for one scalar_operands() entry: a tensor for each Tensor argument (positive, so
+    that divisions and powers are finite), 0.37 for the operand, defaults for the rest."""
+    g = torch.Generator().manual_seed(7)
+    number = 0.37
+    arguments = {}
+    for spec in op._schema.arguments:
+        if spec.name == operand:
+            arguments[spec.name] = number
+        elif isinstance(spec.type, torch.TensorType):
+            arguments[spec.name] = torch.rand(4, 5, generator=g) + 0.5
+        elif spec.has_default_value():
+            arguments[spec.name] = spec.default_value
+        else:
+            arguments[spec.name] = 2.0  # a constant Scalar (add.Scalar's other when alpha is the operand)
+    return arguments, number
+
+
+@pytest.mark.parametrize("entry", _C.emit.scalar_operands(), ids=lambda e: f"{e[0]}.{e[1] or 'default'}:{e[2]}")
+def test_every_scalar_operand_has_a_tensor_form_that_agrees_with_the_op(entry) -> None:
+    # segments.cpp lets a segment take these numbers at run time (emit/segments.h); _fused.py
+    # must rewrite each op into tensor ops taking the number as a 0-dim float64 tensor, with the
+    # op's dtype and values within the fused tolerance (and in place where the op is in place).
+    name, overload, operand = entry
+    op = _fused._overload(name, overload)
+    arguments, number = _scalar_operand_arguments(op, operand)
+    expected_inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
+    expected = op(**expected_inputs)
+
+    fx = torch.fx.Graph()
+    nodes = {}
+    for k, v in arguments.items():  # placeholders in argument order, called positionally
+        if isinstance(v, torch.Tensor):
+            nodes[k] = fx.placeholder(f"arg_{k}")
+    nodes[operand] = _fused._ScalarOperand(fx.placeholder(f"arg_{operand}"))
+    constants = {k: v for k, v in arguments.items() if k not in nodes}
+    fx.output(_fused._rewrite_scalar_operands(fx, op, {**constants, **nodes}))
+    module = torch.fx.GraphModule(torch.nn.Module(), fx)
+    inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    positional = [inputs[k] if k != operand else torch.tensor(number, dtype=torch.float64)
+                  for k in arguments if k in nodes]
+    got = module(*positional)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if name.endswith("_"):  # written in place into self, as the op writes
+        torch.testing.assert_close(inputs["self"], expected_inputs["self"], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(inputs["self"], arguments["self"])
+
+
+def _adam_program(seed: int):
+    """An MLP with single-tensor Adam (foreach=False: one update per parameter, with step sizes
+    Python computes each step) and its recorded step."""
+    torch.manual_seed(seed)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+    (x, y), = _data(1)
+    return model, _recorded_step(model, opt, x, y)
+
+
+def _same_fetches(a: graph.RunResult, b: graph.RunResult) -> bool:
+    return len(a.fetched) == len(b.fetched) > 0 and all(
+        s == t and torch.equal(u, v) for (s, u), (t, v) in zip(a.fetched, b.fetched))
+
+
+def _outside_segments(text: str, op: str) -> int:
+    """How many times `op` is called in the cut graph outside segment bodies."""
+    return sum(1 for line in text.splitlines() if f"= {op}(" in line)
+
+
+def test_a_per_parameter_optimizer_step_joins_segments_and_runs_bitwise_while_interpreted() -> None:
+    # Adam's per-parameter updates take numbers computed each step (`addcdiv_(p, m, d,
+    # value=-step_size)`, `div_(bias_correction2_sqrt)`) and read the step counter (`.item()`, a
+    # fetch) between in-place writes: scalar operands, fetches moved after the call (reading a
+    # copy) and `grad is None` Ifs staying in place let them join the segments. Interpreted,
+    # the cut graph replays bit for bit what the uncut graph replays.
+    model, rec = _adam_program(0)
+    twin, twin_rec = _adam_program(0)
+    g, twin_g = graph.build([rec]), graph.build([twin_rec])
+    text = g._graph.fused.text
+    for op in ("aten::addcdiv_", "aten::addcmul_", "aten::lerp_", "aten::sqrt"):
+        assert _outside_segments(text, op) == 0, (op, text)
+    assert len(g.segments) <= 3, g.segments  # forward/backward and the step, not one per parameter
+    for _ in range(3):
+        out = g.run(rec, mode="fused")
+        expected = twin_g.run(twin_rec, mode="interpreter")
+        assert torch.equal(out.outputs[0], expected.outputs[0])
+        assert _same_fetches(out, expected)  # the step counters Python read, as they were
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    for group in twin.state_dict(), model.state_dict():
+        assert all(torch.isfinite(v).all() for v in group.values())
+
+
+def test_a_per_parameter_optimizer_step_runs_compiled_within_tolerance() -> None:
+    model, rec = _adam_program(0)
+    twin, twin_rec = _adam_program(0)
+    g, twin_g = graph.build([rec]), graph.build([twin_rec])
+    g.run(rec, mode="fused")
+    twin_g.run(twin_rec, mode="interpreter")
+    report = g.compile_segments()
+    assert all(s["state"] == "loaded" for s in report), report
+    tol = dict(rtol=1e-3, atol=1e-5)
+    for _ in range(4):  # the check, then compiled code
+        out = g.run(rec, mode="fused")
+        expected = twin_g.run(twin_rec, mode="interpreter")
+        torch.testing.assert_close(out.outputs[0], expected.outputs[0], **tol)
+        # The step counters Python reads are counted by compiled code exactly (a write through
+        # `lift_fresh` of the fresh counter once stayed in a copy: the counter never moved).
+        assert len(out.reads) == len(expected.reads) == 4
+        assert all(torch.equal(a, b) for a, b in zip(out.reads, expected.reads)), (out.reads, expected.reads)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q, **tol)
+    report = g.segments
+    assert all(s["state"] == "trusted" and s["compiled_runs"] >= 1 for s in report), report
+
+
+def test_coexecution_of_a_per_parameter_optimizer_with_segments_stays_exact_while_interpreted(monkeypatch) -> None:
+    # In co-execution a feed waits for Python and still ends a stretch (a segment call waiting
+    # for a number Python computes from a value the call publishes would never start); the rest
+    # of the step's segments run interpreted and bit for bit eager's.
+    def failing(body, plan, stop=None):
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(_fused, "compile_in_subprocess", failing)
+    data = _data(4)
+
+    def train(model, steps):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        losses = []
+        for i in range(steps):
+            x, y = data[i % len(data)]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        return losses
+
+    eager_model = _mlp()
+    expected = train(eager_model, 60)
+    net = _mlp()
+    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
+    got = train(wrapped, 60)
+    terra_torch.synchronize()
+    assert got == expected
+    for p, q in zip(net.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+    explanation = terra_torch.explain(wrapped)
+    assert explanation.phases["iterations"]["coexec"] >= 40, str(explanation)
+    assert explanation.segments, "co-execution graph was cut into no segments"
 
 
 def test_optimize_must_be_a_known_value() -> None:
