@@ -68,11 +68,13 @@ if check and os.environ.get("TERRA_AB_COEXEC_SETTLE") == "auto":  # (co-executed
 for i in range(warmup):
     step(state, i)
 compile_wait_s = 0.0
-if optimize:  # run on until every segment is compiled and checked (or stays interpreted)
+if optimize:  # run on until no segment waits for the compiler (as the harness's settle())
+    # ("loaded" counts as settled: a segment whose package is loaded is checked on its next run,
+    # and one on a path the warm-up steps no longer take would keep this loop going forever.)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < float(os.environ.get("TERRA_AB_COMPILE_S", "1200")):
         segs = [s for w in wrapped for s in (terra_torch.explain(w).segments or [])]
-        if segs and all(s["state"] in ("trusted", "interpreted") for s in segs):
+        if segs and not any(s["state"] in ("requested", "compiling") for s in segs):
             break
         for i in range(warmup, warmup + 20):
             step(state, i)
@@ -112,7 +114,8 @@ def run_child(program: str, variant: str, warmup: int, steps: int, threads: int 
                TERRA_SPEED_CHECK="1" if settings.get("TERRA_AB_SPEED_CHECK") == "1" else "0",
                TERRA_AB_THREADS=str(threads), **settings)
     done = subprocess.run([sys.executable, "-c", CHILD, program, runner, str(warmup), str(steps)], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True,
+                          timeout=900 + float(env.get("TERRA_AB_COMPILE_S", "1200")))  # (the compile wait, then the steps)
     if done.returncode != 0:
         raise SystemExit(f"{program} / {variant} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -86,8 +86,9 @@ PROGRAM = """
 def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
     """torch's default team (2 threads on 2 cores): the worker keeps it, MKL's included, so the
     GEMMs and the full reduction give eager's bits. The guard of the worker's matrix products
-    (csrc/runtime/team_guard.h) finds that some 6-row GEMMs differ with one MKL thread, keeps
-    torch's team for them, and leaves the 4096-row ones uncalibrated (too large)."""
+    (csrc/runtime/team_guard.h) finds whether the 6-row GEMMs differ with one MKL thread (on
+    most hosts they do: it keeps torch's team for them), and leaves the 4096-row ones
+    uncalibrated (too large)."""
     out = run_child(PROGRAM + """
     _, _, eager, p_eager = run(2, False, 30)
     net, model, terra, p_terra = run(2, True, 30)
@@ -97,17 +98,23 @@ def test_coexecution_with_every_core_as_intra_op_threads_is_bitwise_eager():
                       "coexec": s.iterations["coexec"], "intra": s.runner["graph_intra_op_threads"],
                       "blas": s.runner["graph_blas_threads"], "team": s.worker_team}))
     """)
-    # Otherwise the comparison below could not tell a worker with a smaller team.
-    if not torch.backends.mkl.is_available():
-        out["pre"].pop("gemm")
+    # Otherwise the comparison below could not tell a worker with a smaller team. Whether MKL's
+    # 6-row GEMM gives other bits with 2 threads depends on the host's CPU (it did on the hosts of
+    # sessions 19-33; on an AMX host of session 34 no GEMM shape did): where it does not, the
+    # guard must find no difference instead.
+    gemm_differs = out["pre"].pop("gemm") and torch.backends.mkl.is_available()
     assert all(out["pre"].values()), f"1 and 2 threads gave the same bits here: the program proves nothing ({out})"
     assert out["coexec"] >= 25
     assert out["losses"] and out["params"], out
     assert out["intra"] == 2 and out["blas"] == 2
     if out["team"] is not None:  # (None: this torch has no MKL per-thread team)
         team = out["team"]
-        assert team["differ"] >= 1 and team["large"] >= 1 and team["team_calls"] >= 30 * 2, team
-        assert "other bits with one thread" in team["why"] and "[6, " in team["why"], team
+        assert team["large"] >= 1 and team["team_calls"] >= 30 * 2, team
+        if gemm_differs:
+            assert team["differ"] >= 1, team
+            assert "other bits with one thread" in team["why"] and "[6, " in team["why"], team
+        else:
+            assert team["differ"] == 0 and team["same"] >= 1, team
 
 
 # An MLP whose GEMMs (batch 32: rows of 32 and 64) MKL computes alike with 1 and 2 threads here.
