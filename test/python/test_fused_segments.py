@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -344,17 +345,22 @@ def test_compiled_code_that_raises_once_trusted_gives_its_segment_back_to_the_in
     assert torch.equal(g.run(rec, mode="fused").outputs[0], gather())
 
 
-def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypatch) -> None:
-    # Co-execution cuts a graph with publishes and gates; every segment's compile fails here, so
-    # everything runs interpreted and must be eager's bit for bit, with the reason in explain().
+def _no_compiler(monkeypatch) -> None:
     def failing(body, plan, stop=None):
         raise RuntimeError("no compiler in this test")
 
     monkeypatch.setattr(_fused, "compile_in_subprocess", failing)
+
+
+def _coexecute_like_eager(make_optimizer: Callable[[list[torch.nn.Parameter]], tuple[Any, Any]],
+                          steps: int = 60) -> torch.nn.Module:
+    """Trains _mlp() eagerly and wrapped with optimize="fused" on the same batches
+    (`make_optimizer(params)` -> (optimizer, LR scheduler or None)); asserts every loss and
+    parameter bitwise equal; returns the wrapped module."""
     data = _data(4)
 
-    def train(model, steps):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    def train(model: torch.nn.Module) -> list[float]:
+        opt, sched = make_optimizer(list(model.parameters()))
         losses = []
         for i in range(steps):
             x, y = data[i % len(data)]
@@ -362,18 +368,28 @@ def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypat
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
             losses.append(loss.item())
         return losses
 
     eager_model = _mlp()
-    expected = train(eager_model, 60)
+    expected = train(eager_model)
     net = _mlp()
     wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
-    got = train(wrapped, 60)
+    got = train(wrapped)
     terra_torch.synchronize()
     assert got == expected
     for p, q in zip(net.parameters(), eager_model.parameters()):
         assert torch.equal(p, q)
+    return wrapped
+
+
+def test_coexecution_with_fused_segments_stays_exact_while_interpreted(monkeypatch) -> None:
+    # Co-execution cuts a graph with publishes and gates; every segment's compile fails here, so
+    # everything runs interpreted and must be eager's bit for bit, with the reason in explain().
+    _no_compiler(monkeypatch)
+    wrapped = _coexecute_like_eager(lambda ps: (torch.optim.SGD(ps, lr=0.05, momentum=0.9), None))
     deadline = time.monotonic() + 30  # the compiler thread gets to every request
     while True:
         explanation = terra_torch.explain(wrapped)
@@ -507,35 +523,13 @@ def test_coexecution_of_a_per_parameter_optimizer_with_segments_stays_exact_whil
     # In co-execution a feed waits for Python and still ends a stretch (a segment call waiting
     # for a number Python computes from a value the call publishes would never start); the rest
     # of the step's segments run interpreted and bit for bit eager's.
-    def failing(body, plan, stop=None):
-        raise RuntimeError("no compiler in this test")
+    _no_compiler(monkeypatch)
 
-    monkeypatch.setattr(_fused, "compile_in_subprocess", failing)
-    data = _data(4)
+    def adam_with_steps(ps):
+        opt = torch.optim.Adam(ps, lr=0.01, foreach=False)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
 
-    def train(model, steps):
-        opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-        losses = []
-        for i in range(steps):
-            x, y = data[i % len(data)]
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-        return losses
-
-    eager_model = _mlp()
-    expected = train(eager_model, 60)
-    net = _mlp()
-    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
-    got = train(wrapped, 60)
-    terra_torch.synchronize()
-    assert got == expected
-    for p, q in zip(net.parameters(), eager_model.parameters()):
-        assert torch.equal(p, q)
+    wrapped = _coexecute_like_eager(adam_with_steps)
     explanation = terra_torch.explain(wrapped)
     assert explanation.phases["iterations"]["coexec"] >= 40, str(explanation)
     assert explanation.segments, "co-execution graph was cut into no segments"
