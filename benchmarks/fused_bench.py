@@ -107,7 +107,8 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("uptime before:", os.getloadavg(), flush=True)
+    load_before = os.getloadavg()
+    print("uptime before:", load_before, flush=True)
     results = []
     for name in args.programs.split(","):
         r = bench(name, args.recorded, args.reps, args.iters)
@@ -126,10 +127,12 @@ def main() -> None:
         for s in r["segments"]:
             if s["state"] == "interpreted":
                 print(f"    {s['ops']} ops interpreted: {s['reason']}", flush=True)
-    print("uptime after:", os.getloadavg(), flush=True)
+    load_after = os.getloadavg()
+    print("uptime after:", load_after, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"load_before_after": None, "results": results}, indent=1, default=str))
+        Path(args.out).write_text(json.dumps({"load_before_after": [load_before, load_after],
+                                              "measured": time.strftime("%Y-%m-%d %H:%M"), "results": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":
