@@ -458,6 +458,19 @@ class SegmentCompiler:
         self._thread.join(timeout)
 
 
+def _background_priority() -> None:
+    """Lowers this (compiler) process's CPU priority by TERRA_COMPILE_NICE (default 10; 0 keeps
+    it). Compiling is background work: on a small machine the training process's Python thread
+    and graph worker already use the cores, and a compiler at their priority (with the C++
+    compiler it starts, which inherits this) slows every step until it is done."""
+    niceness = int(os.environ.get("TERRA_COMPILE_NICE", "10"))
+    if niceness > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(niceness)
+        except OSError:  # (not allowed here: compile at the same priority)
+            log.debug("terra_torch: could not lower the compiler's priority")
+
+
 def _main(argv: list[str]) -> int:
     """The child of compile_in_subprocess: python -m terra_torch._fused REQUEST (a pickle of
     (body, plan, package path)); writes the package there, exits non-zero with the error on
@@ -465,6 +478,7 @@ def _main(argv: list[str]) -> int:
     with open(argv[0], "rb") as f:
         body, plan, path = pickle.load(f)
     torch.set_num_threads(1)
+    _background_priority()
     compile_segment(body, plan, Path(path))
     return 0
 

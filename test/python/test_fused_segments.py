@@ -535,6 +535,20 @@ def test_coexecution_of_a_per_parameter_optimizer_with_segments_stays_exact_whil
     assert explanation.segments, "co-execution graph was cut into no segments"
 
 
+@pytest.mark.parametrize("setting, raised", [(None, 10), ("3", 3), ("0", 0)])
+def test_the_compiler_process_runs_at_a_lower_priority(setting, raised) -> None:
+    # The compiler child (python -m terra_torch._fused) lowers its own priority before compiling,
+    # so that it takes the cores the training threads leave; TERRA_COMPILE_NICE sets by how much.
+    env = {k: v for k, v in os.environ.items() if k != "TERRA_COMPILE_NICE"}
+    if setting is not None:
+        env["TERRA_COMPILE_NICE"] = setting
+    code = ("import os; from terra_torch import _fused; before = os.getpriority(os.PRIO_PROCESS, 0); "
+            "_fused._background_priority(); print(before, os.getpriority(os.PRIO_PROCESS, 0))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    before, after = map(int, out.stdout.split())
+    assert after == min(before + raised, 19), out.stdout
+
+
 def test_optimize_must_be_a_known_value() -> None:
     with pytest.raises(ValueError, match="optimize must be False, True or 'fused'"):
         terra_torch.wrap(_mlp(), optimize="fast")
