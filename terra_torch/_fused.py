@@ -149,38 +149,41 @@ def _number(s: Any) -> Any:
 
 # The ops of segments.h's scalar_operands(), as tensor ops that take the number as a 0-dim
 # tensor (the decompositions torch's own refs use for these ops; not bitwise, within the
-# executor's check). Keyed by (schema name, overload); `a` maps argument names to FX nodes,
-# constants or _ScalarOperand.
+# executor's check). Keyed by (schema name, overload) of the out-of-place op; each rewrite gets
+# `c` (adds a node) and `a` (argument names to FX nodes, constants or _ScalarOperand). An
+# in-place op (`addcdiv_`, named in scalar_operands() with its own overload) is its
+# out-of-place form copied into `self` (_rewrite_scalar_operands).
 _SCALAR_OPERAND_REWRITES: dict[tuple[str, str], Callable[[Callable[..., torch.fx.Node], dict[str, Any]], torch.fx.Node]] = {
     ("aten::addcdiv", ""): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, c(_A.div.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
-    ("aten::addcdiv_", ""): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, c(_A.div.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
     ("aten::addcmul", ""): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, c(_A.mul.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
-    ("aten::addcmul_", ""): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, c(_A.mul.Tensor, a["tensor1"], a["tensor2"]), a["value"])),
     ("aten::add", "Tensor"): lambda c, a: c(_A.add.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
-    ("aten::add_", "Tensor"): lambda c, a: c(_A.add_.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
     ("aten::sub", "Tensor"): lambda c, a: c(_A.sub.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
-    ("aten::sub_", "Tensor"): lambda c, a: c(_A.sub_.Tensor, a["self"], _scaled(c, a["other"], a["alpha"])),
     ("aten::add", "Scalar"): lambda c, a: c(_A.add.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
-    ("aten::add_", "Scalar"): lambda c, a: c(_A.add_.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
     ("aten::sub", "Scalar"): lambda c, a: c(_A.sub.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
-    ("aten::sub_", "Scalar"): lambda c, a: c(_A.sub_.Tensor, a["self"], _number(a["other"]), alpha=a["alpha"]),
     ("aten::mul", "Scalar"): lambda c, a: c(_A.mul.Tensor, a["self"], _number(a["other"])),
-    ("aten::mul_", "Scalar"): lambda c, a: c(_A.mul_.Tensor, a["self"], _number(a["other"])),
     ("aten::div", "Scalar"): lambda c, a: c(_A.div.Tensor, a["self"], _number(a["other"])),
-    ("aten::div_", "Scalar"): lambda c, a: c(_A.div_.Tensor, a["self"], _number(a["other"])),
     ("aten::lerp", "Scalar"): lambda c, a: c(_A.lerp.Tensor, a["self"], a["end"], _number(a["weight"])),
-    ("aten::lerp_", "Scalar"): lambda c, a: c(_A.lerp_.Tensor, a["self"], a["end"], _number(a["weight"])),
     ("aten::pow", "Tensor_Scalar"): lambda c, a: c(_A.pow.Tensor_Tensor, a["self"], _number(a["exponent"])),
-    ("aten::pow_", "Scalar"): lambda c, a: c(_A.pow_.Tensor, a["self"], _number(a["exponent"])),
 }
+# The in-place ops' overloads where they differ from the out-of-place op's (pow_.Scalar).
+_IN_PLACE_OF = {("aten::pow_", "Scalar"): ("aten::pow", "Tensor_Scalar")}
 
 
 def _rewrite_scalar_operands(graph: torch.fx.Graph, op: torch._ops.OpOverload, arguments: dict[str, Any]) -> torch.fx.Node:
-    key = (op._schema.name, op._schema.overload_name)
+    name, overload = op._schema.name, op._schema.overload_name
+    in_place = name.endswith("_")
+    key = _IN_PLACE_OF.get((name, overload), (name[:-1], overload)) if in_place else (name, overload)
     rewrite = _SCALAR_OPERAND_REWRITES.get(key)
     if rewrite is None:  # (segments.cpp cuts no other op with a number computed at run time)
-        raise ValueError(f"terra_torch: no tensor form of {key[0]}.{key[1] or 'default'} with a number computed at run time")
-    return rewrite(lambda target, *args, **kwargs: graph.call_function(target, args, kwargs), arguments)
+        raise ValueError(f"terra_torch: no tensor form of {name}.{overload or 'default'} with a number computed at run time")
+
+    def call(target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return graph.call_function(target, args, kwargs)
+
+    result = rewrite(call, arguments)
+    # An in-place op writes its result into self and returns self (functionalization makes the
+    # write a copy into the input, as for any in-place op of a segment).
+    return call(_A.copy_.default, arguments["self"], result) if in_place else result
 
 
 def _call_arguments(resolved: list[tuple[Any, str, Any]], value_of: Callable[[int], Any]) -> tuple[list[Any], dict[str, Any]]:

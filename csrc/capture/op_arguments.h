@@ -24,8 +24,8 @@ inline constexpr size_t kRunningMeanArgument = 3, kRunningVarArgument = 4, kBatc
 
 // The op's schema says it writes one of its arguments (in-place, out=, foreach ops on lists).
 // (Not the batch norms above: the emitter runs them as it always has, in program order.)
-inline bool writes_an_argument(const c10::OperatorHandle& op) {
-  for (const c10::Argument& a : op.schema().arguments())
+inline bool writes_an_argument(const c10::FunctionSchema& schema) {
+  for (const c10::Argument& a : schema.arguments())
     if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
   return false;
 }

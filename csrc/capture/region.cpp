@@ -657,7 +657,7 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     return flat;
   };
   const bool draws = op.hasTag(at::Tag::nondeterministic_seeded);
-  if (needs_data && (is_collective(op) || writes_an_argument(op) || draws)) {
+  if (needs_data && (is_collective(op) || writes_an_argument(op.schema()) || draws)) {
     const bool collective = is_collective(op);
     // Run for real here, it would run again in the graph (which holds the node) and its write
     // would happen twice, or its random numbers be drawn twice; a collective run here could

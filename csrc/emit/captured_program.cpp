@@ -146,7 +146,7 @@ trace::OpKey key_of(const capture::Trace& trace, const capture::OpRecord& rec, s
 bool has_side_effect(const c10::OperatorHandle& op) {
   // A collective is seen by the other ranks: run ahead of Python it would be issued again by
   // Python after a divergence (capture/collectives.h).
-  return capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded) || capture::is_collective(op);
+  return capture::writes_an_argument(op.schema()) || op.hasTag(at::Tag::nondeterministic_seeded) || capture::is_collective(op);
 }
 
 uint64_t operator_id(const c10::OperatorName& name) {

@@ -66,6 +66,9 @@ inline constexpr const char* kFeedBoolOp = "terra::feed_bool";
 inline constexpr const char* kFeedIntListOp = "terra::feed_int_list";
 inline constexpr const char* kFeedFloatListOp = "terra::feed_float_list";
 inline constexpr const char* kFeedNumberListOp = "terra::feed_number_list";  // the same as Scalar[]
+// Every op that takes a value Python posts (in co-execution each waits for Python to reach it).
+inline constexpr const char* kFeedOps[] = {kFeedOp,      kFeedOrNoneOp,  kFeedScalarOp,    kFeedIntOp,
+                                           kFeedBoolOp,  kFeedIntListOp, kFeedFloatListOp, kFeedNumberListOp};
 // Not a dispatcher op: a JIT operator that calls the operator it names boxed (channel_ops.cpp).
 inline constexpr const char* kBoxedCallOp = "terra::boxed_call";
 

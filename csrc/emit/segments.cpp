@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "capture/op_arguments.h"
 #include "capture/schema_aliases.h"
 #include "emit/channel.h"
 
@@ -87,13 +88,6 @@ struct Stretch {
   std::vector<Node*> fetches;
 };
 
-bool writes_an_argument(const Node* n) {
-  for (const c10::Argument& a : n->schema().arguments()) {
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
-  }
-  return false;
-}
-
 bool is_number(const Value* v) {
   const c10::TypeKind k = v->type()->kind();
   return k == c10::TypeKind::IntType || k == c10::TypeKind::FloatType || k == c10::TypeKind::BoolType ||
@@ -166,10 +160,7 @@ class Cutter {
       : graph_(graph), options_(options), in_place_(in_place), segments_(segments), publish_(c10::Symbol::fromQualString(kPublishOp)),
         segment_(c10::Symbol::fromQualString(kSegmentOp)),
         fetch_(c10::Symbol::fromQualString(kFetchOp)) {
-    for (const char* feed : {kFeedOp, kFeedOrNoneOp, kFeedScalarOp, kFeedIntOp, kFeedBoolOp, kFeedIntListOp,
-                             kFeedFloatListOp, kFeedNumberListOp}) {
-      feeds_.insert(c10::Symbol::fromQualString(feed));
-    }
+    for (const char* feed : kFeedOps) feeds_.insert(c10::Symbol::fromQualString(feed));
   }
 
   void cut(Block* block) {
@@ -241,7 +232,7 @@ class Cutter {
     for (Node* f : fetches) {
       if (!ops.front()->isBefore(f) || !f->isBefore(ops.back())) continue;
       auto after = std::find_if(ops.begin(), ops.end(), [&](const Node* op) { return f->isBefore(op); });
-      if (std::none_of(after, ops.end(), [](const Node* op) { return writes_an_argument(op); })) continue;
+      if (std::none_of(after, ops.end(), [](const Node* op) { return capture::writes_an_argument(op->schema()); })) continue;
       torch::jit::WithInsertPoint at(f);
       Value* copy = graph_.insert(c10::aten::clone, {f->input(1)});
       f->replaceInput(1, copy);

@@ -117,7 +117,7 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
 void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link) {
   planned_.reset();
   // (First what most ops fail: an optimizer's ops write their arguments.)
-  if (capture::writes_an_argument(op) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
+  if (capture::writes_an_argument(op.schema()) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
   Recipe r;
   // Arguments to copy (index into r.args, source), copied only once the recipe turns out to
   // need the graph for another argument: most ops whose tensors are all real end up with none.
