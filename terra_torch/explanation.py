@@ -105,8 +105,18 @@ class Explanation:
             trusted = [s for s in self.segments if s["state"] == "trusted"]
             out.append(f"  compiled segments: {len(trusted)} of {len(self.segments)} run compiled "
                        f"({sum(s['ops'] for s in trusted)} of {sum(s['ops'] for s in self.segments)} ops)")
+            waiting = [s for s in self.segments if s["state"] in ("requested", "compiling")]
+            if waiting:
+                out.append(f"    {_plural(len(waiting), 'segment')} waiting for the compiler, run in place meanwhile")
+            # (one line for all that are too small to compile: a long loop body has dozens)
+            small = [s for s in self.segments
+                     if s["state"] == "interpreted" and "TERRA_FUSED_MIN_SEGMENT_US" in s["reason"]]
+            if small:
+                out.append(f"    {_plural(len(small), 'segment')} ({sum(s['ops'] for s in small)} ops) not compiled: "
+                           f"each ran in under {max(s['first_run_us'] for s in small):.3g} us, less than a "
+                           "compiled call costs (TERRA_FUSED_MIN_SEGMENT_US)")
             for k, s in enumerate(self.segments):
-                if s["state"] == "interpreted":
+                if s["state"] == "interpreted" and not any(s is t for t in small):
                     where = ", in place" if s.get("inlined") else ""
                     out.append(f"    segment {k} ({s['ops']} ops{where}) stays interpreted: {s['reason']}")
         out.append(f"  fallbacks: {len(self.fallbacks)}")

@@ -132,7 +132,8 @@ void init_fused(py::module_& m) {
                d["max_difference"] = s.max_difference;
                d["compiled_us"] = s.compiled_us;  // the speed trial's medians (0 before it ends)
                d["interpreted_us"] = s.interpreted_us;
-               d["inlined"] = s.inlined;  // interpreted for good: its body runs in place of its call
+               d["first_run_us"] = s.first_run_us;
+               d["inlined"] = s.inlined;  // its body runs in place of its call (waiting, or interpreted for good)
                out.append(d);
              }
              return out;

@@ -33,6 +33,22 @@ using Loader = torch::inductor::AOTIModelPackageLoader;
 
 enum class State { kNew, kRequested, kCompiling, kLoaded, kTrusted, kInterpreted };
 
+// Where a segment's ops run in the outer graph: called (terra::segment), or in place, as the
+// generated graph had them. A segment is called while its first run is to come (it notes its
+// call plan and time there) and while it has compiled code to check or run; waiting for the
+// compiler, or interpreted for good, a call would only cost (`segment_call_bench`: ~6 us a call
+// of a few ops against the same ops in place), so its ops run in place.
+bool runs_in_place(State s) { return s == State::kRequested || s == State::kCompiling || s == State::kInterpreted; }
+
+// The reason a segment whose first run was faster than min_segment_us() is not compiled.
+std::string too_small(double us, double floor_us) {
+  std::ostringstream why;
+  why.precision(3);
+  why << "its first run took " << us << " us, under the " << floor_us
+      << " us (TERRA_FUSED_MIN_SEGMENT_US) that a call into compiled code needs to pay";
+  return why.str();
+}
+
 const char* name_of(State s) {
   switch (s) {
     case State::kNew: return "new";
@@ -238,6 +254,7 @@ struct SegmentState {
   std::vector<int64_t> trial_compiled, trial_interpreted;
   std::atomic<bool> trial_done{false};
   double compiled_us = 0, interpreted_us = 0;
+  double first_run_us = 0;  // the first (interpreted) run, timed: min_segment_us() decides on it
 
   explicit SegmentState(emit::Segment s)
       : segment(std::move(s)), code(segment.body, "terra_segment"), written(written_inputs(*segment.body)) {}
@@ -299,7 +316,7 @@ std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
   {
     std::lock_guard lock(impl_->mu);
     outer = impl_->outer;
-    auto in_place = [&](size_t k) { return impl_->segments[k]->state == State::kInterpreted; };
+    auto in_place = [&](size_t k) { return runs_in_place(impl_->segments[k]->state); };
     bool changed = false;
     for (size_t k = 0; k < impl_->segments.size() && !changed; ++k) changed = in_place(k) != impl_->inlined[k];
     if (changed) {
@@ -308,14 +325,20 @@ std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
     }
   }
   if (!wanted.empty()) {
-    // Segments that stay interpreted for good run in place from now on (a few milliseconds to
-    // rebuild, once per change; the segments settle in their first runs).
+    // Segments waiting for their compiled code, and those that stay interpreted for good, run in
+    // place from now on; a segment whose package has loaded is called again (a few milliseconds
+    // to rebuild, once per iteration in which something changed).
     outer = std::make_shared<TorchScriptExecutor>(emit::cut_segments(impl_->graph, impl_->options, wanted).graph);
     std::lock_guard lock(impl_->mu);
     impl_->outer = outer;
     impl_->inlined = std::move(wanted);
   }
   return outer->run(std::move(inputs));
+}
+
+double FusedExecutor::min_segment_us() {
+  const char* v = std::getenv("TERRA_FUSED_MIN_SEGMENT_US");
+  return v != nullptr && *v != '\0' ? std::max(0.0, std::atof(v)) : 10.0;
 }
 
 double FusedExecutor::min_speedup() {
@@ -416,20 +439,25 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
   }
   if (state == State::kNew) {
     std::variant<CallPlan, std::string> plan = plan_of(inputs, s.written);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<at::Tensor> out = s.interpret(inputs);
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    const double floor_us = min_segment_us();
     {
       std::lock_guard lock(impl_->mu);
       if (s.state == State::kNew) {
-        if (auto* p = std::get_if<CallPlan>(&plan)) {
+        s.first_run_us = us;
+        if (auto* p = std::get_if<CallPlan>(&plan); p != nullptr && us >= floor_us) {
           s.plan = std::move(*p);
           s.state = State::kRequested;
         } else {
           s.state = State::kInterpreted;
-          s.reason = std::get<std::string>(plan);
+          s.reason = p != nullptr ? too_small(us, floor_us) : std::get<std::string>(plan);
         }
       }
     }
     impl_->requested.notify_all();
-    return s.interpret(inputs);
+    return out;
   }
   if (state != State::kTrusted && state != State::kLoaded) return s.interpret(inputs);
   if (!fits(s.plan, inputs, s.written)) return s.interpret(inputs);  // (another batch size: later)
@@ -544,7 +572,7 @@ std::vector<SegmentReport> FusedExecutor::report() const {
   for (const auto& s : impl_->segments) {
     out.push_back({s->segment.num_ops, name_of(s->state), s->reason, s->compiled_runs.load(),
                    s->interpreted_runs.load(), s->max_difference, s->compiled_us, s->interpreted_us,
-                   impl_->inlined[out.size()]});
+                   s->first_run_us, impl_->inlined[out.size()]});
   }
   return out;
 }

@@ -4,7 +4,9 @@
 //
 // A segment's life:
 //
-//   new --first run (interpreted; its inputs' CallPlan noted)--> requested
+//   new --first run (interpreted and timed; its inputs' CallPlan noted)--> requested, or
+//            interpreted when it ran in under min_segment_us() (a call into compiled code
+//            costs about that much, so its compile would be wasted)
 //   requested --compiler takes it (next_request)--> compiling
 //   compiling --compiled(path): package loaded--> loaded | --failed(reason)--> interpreted
 //   loaded --next run with the same plan: compiled on copies of the inputs, interpreted on
@@ -14,9 +16,14 @@
 //            timed: compiled code slower than min_speedup() times the interpreter's (medians)
 //            leaves the segment interpreted, with both times in the reason (a small segment
 //            can cost more in the call into compiled code than its few kernels save).
-//   interpreted (for good): at the next run() the graph is cut again with the segment's ops
-//            left in place (emit::cut_segments' `in_place`), so that it costs what its ops
-//            cost; its report says `inlined`.
+//   interpreted (for good).
+// Where its ops run: a segment is called (terra::segment) when new, loaded or trusted. While it
+// waits for the compiler (requested, compiling) and once interpreted for good, the graph runs
+// its ops in place instead: at the next run() after such a change the graph is cut again
+// (emit::cut_segments' `in_place`), so that the segment costs what its ops cost, not a call
+// (an input list, a new interpreter state, views made again: ~6 us); its report says `inlined`.
+// So co-execution with fused segments starts at the interpreter's speed and stays there until
+// compiled code is ready, however long the compiler takes.
 //
 // The compiler is Python (terra_torch/_fused.py: the body as an FX graph, exported and compiled
 // by AOTInductor into a package); the package's code is loaded and run here without the GIL
@@ -111,7 +118,9 @@ struct SegmentReport {
   double max_difference = 0;  // in the check: largest |compiled - interpreted|
   // The speed trial's medians, microseconds per run (0 until the trial ended).
   double compiled_us = 0, interpreted_us = 0;
-  // An interpreted segment whose ops now run in place, not called (emit::cut_segments).
+  double first_run_us = 0;  // its first run, interpreted and called (0 until it ran)
+  // Its ops now run in place, not called (emit::cut_segments): it waits for the compiler, or
+  // stays interpreted for good.
   bool inlined = false;
 };
 
@@ -127,6 +136,11 @@ class FusedExecutor final : public Executor {
   // How much faster than the interpreter compiled code must be to stay: TERRA_FUSED_MIN_SPEEDUP
   // (default 1.0; 0 keeps every checked segment compiled without a trial).
   static double min_speedup();
+  // A segment whose first run took less is not compiled: TERRA_FUSED_MIN_SEGMENT_US (default
+  // 10; 0 compiles every segment). A compiled call costs 7-19 us on the development machine, and
+  // no segment interpreted in under 10 us won its speed trial by more than 5% (docs/RUNTIME.md,
+  // "Compiled segments"); the first run is the slowest, so a segment under it is small for sure.
+  static double min_segment_us();
 
   explicit FusedExecutor(std::shared_ptr<torch::jit::Graph> graph, const emit::SegmentOptions& options = {});
   ~FusedExecutor() override;

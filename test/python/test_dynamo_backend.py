@@ -362,6 +362,7 @@ def test_fused_option_runs_each_graph_compiled_within_tolerance(tmp_path, monkey
 
     monkeypatch.setenv("TERRA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "0")  # no speed trial: the states must not depend on timing
+    monkeypatch.setenv("TERRA_FUSED_MIN_SEGMENT_US", "0")  # nor the first run's time
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     twin = copy.deepcopy(model)

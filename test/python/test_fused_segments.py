@@ -78,6 +78,9 @@ def _cache(tmp_path, monkeypatch):
     # No speed trial (FusedExecutor::min_speedup) unless a test asks: the states these tests
     # expect must not depend on this machine's timing.
     monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "0")
+    # Nor a floor on a segment's first run (FusedExecutor::min_segment_us): these segments are
+    # small, and which of them reach 10 us depends on the machine too.
+    monkeypatch.setenv("TERRA_FUSED_MIN_SEGMENT_US", "0")
 
 
 def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
@@ -120,6 +123,55 @@ def test_segments_that_stay_interpreted_run_in_place_bitwise_like_eager() -> Non
     report = g.segments
     assert all(s["state"] == "interpreted" and s["inlined"] for s in report), report
     assert [s["interpreted_runs"] for s in report] == calls  # not called any more
+
+
+def test_segments_waiting_for_the_compiler_run_in_place_and_are_called_once_loaded() -> None:
+    # While a segment waits for its compiled code, the graph runs its ops in place (a call would
+    # only cost): its interpreted_runs stop at the first run, which noted its plan. Once its
+    # package is loaded, the graph calls it again, for the check and the compiled runs.
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    eager_step()
+    for _ in range(3):
+        out = g.run(rec, mode="fused")
+        assert torch.equal(out.outputs[0], eager_step())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p, q)
+    report = g.segments
+    assert all(s["state"] == "requested" and s["inlined"] for s in report), report
+    assert all(s["interpreted_runs"] == 1 and s["first_run_us"] > 0 for s in report), report
+    g.compile_segments()
+    assert all(s["state"] == "loaded" for s in g.segments)
+    tol = dict(rtol=1e-3, atol=1e-5)
+    for _ in range(2):
+        torch.testing.assert_close(g.run(rec, mode="fused").outputs[0], eager_step(), **tol)
+    report = g.segments
+    assert all(s["state"] == "trusted" and not s["inlined"] for s in report), report
+    assert all(s["interpreted_runs"] == 2 and s["compiled_runs"] == 1 for s in report), report
+
+
+def test_a_segment_faster_than_the_floor_on_its_first_run_is_not_compiled(monkeypatch) -> None:
+    # FusedExecutor::min_segment_us: a segment whose first run took less than the floor (here an
+    # impossible 10 s) asks for no compile; it runs in place, bitwise like eager, and its reason
+    # names its time.
+    monkeypatch.setenv("TERRA_FUSED_MIN_SEGMENT_US", "1e7")
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
+    g = graph.build([rec])
+    for _ in range(3):
+        out = g.run(rec, mode="fused")
+        assert torch.equal(out.outputs[0], eager_step())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p, q)
+    report = g.segments
+    assert report and all(s["state"] == "interpreted" and s["inlined"] for s in report), report
+    assert all("TERRA_FUSED_MIN_SEGMENT_US" in s["reason"] and s["first_run_us"] > 0 for s in report), report
+    assert all(s["interpreted_runs"] == 1 for s in report)
+    from terra_torch import _fused
+
+    assert not _fused.compile_one(g._graph.fused, 0.0)  # nothing was requested
 
 
 def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
