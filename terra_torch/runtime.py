@@ -51,6 +51,11 @@ _ITERATIONS_KEPT = 200_000  # iterations a timeline shows (the oldest are droppe
 MAX_UNCONVERGED_ITERATIONS = 20
 # Eager iterations before the first retry; each retry that fails again doubles it.
 EAGER_BACKOFF = 50
+# optimize="fused": co-executed iterations in a row the speed check leaves unmeasured while
+# compiled segments are checked and timed (Program._speed_observe). Settling takes 17 runs of a
+# segment (the check, then FusedExecutor::kTrialRuns of each kind); a segment on a path taken
+# now and then takes more iterations, one whose inputs never fit its plan again never settles.
+MAX_SETTLING_ITERATIONS = 100
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -235,6 +240,7 @@ class Program:
         # iteration that counts, the next begin() measures it.
         self._speed_pending: str | None = None
         self._speed_compiles = 0  # the segment compiler's `changes` the speed check has seen
+        self._speed_held = 0  # co-executed iterations in a row not measured: compiled segments settling
         self._stall_mark_ns = 0  # the session's Python stall sum when the check last probed
         self._last_begin_ns = 0
         _programs.add(self)
@@ -527,6 +533,17 @@ class Program:
         if self._compiler is not None and self._compiler.changes != self._speed_compiles and self._compiler.idle:
             self._speed_compiles = self._compiler.changes
             self._speed.recheck()
+        if mode == COEXEC and self._compiler is not None and self._speed_held < MAX_SETTLING_ITERATIONS:
+            # Loaded compiled code is checked on its first run, then timed against the interpreter
+            # (FusedExecutor::settling): such iterations are slower than the steady ones, and a
+            # check measuring them chose eager, where the segments never settle (half of the
+            # timed iterations of several quick-suite programs ran eagerly). So they are not
+            # measured; a segment that never runs again stops holding the check after a while.
+            fused = self._session.fused
+            if fused is not None and fused.settling():
+                self._speed_held += 1
+                return
+        self._speed_held = 0
         waited = None
         if mode == COEXEC and self._speed.probing:
             # Python's waits for the graph in this iteration (the session's sums only grow, and

@@ -119,6 +119,8 @@ void init_fused(py::module_& m) {
           },
           py::arg("segment"), py::arg("package_path"))
       .def("failed", &runtime::FusedExecutor::failed, py::arg("segment"), py::arg("reason"))
+      .def("settling", &runtime::FusedExecutor::settling,
+           "segments loaded but not yet checked, or still in their speed trial")
       .def("report",
            [](const runtime::FusedExecutor& e) {
              py::list out;

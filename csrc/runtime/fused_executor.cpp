@@ -577,6 +577,14 @@ std::vector<SegmentReport> FusedExecutor::report() const {
   return out;
 }
 
+size_t FusedExecutor::settling() const {
+  std::lock_guard lock(impl_->mu);
+  return static_cast<size_t>(std::count_if(impl_->segments.begin(), impl_->segments.end(), [](const auto& s) {
+    return s->state == State::kLoaded ||
+           (s->state == State::kTrusted && !s->trial_done.load(std::memory_order_acquire));
+  }));
+}
+
 const emit::SegmentedGraph& FusedExecutor::segmented() const { return impl_->segmented; }
 
 }  // namespace terra::runtime

@@ -161,6 +161,9 @@ class FusedExecutor final : public Executor {
   // cycle, a program never closed) is never destroyed, and its loaders' folders would stay.
   static void close_every_live();
   std::vector<SegmentReport> report() const;
+  // Segments whose compiled code is loaded but not yet checked, or trusted and still in their
+  // speed trial: the next runs are not yet the steady ones (the program's speed check waits).
+  size_t settling() const;
   const emit::SegmentedGraph& segmented() const;
   // Called by the terra::segment op's kernel on the thread running this executor.
   std::vector<at::Tensor> run_segment(size_t segment, std::vector<at::Tensor> inputs);

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import terra_torch
 from terra_torch import _C, _fused, graph
+from terra_torch._speed import COEXEC, SpeedCheck
 
 
 def _mlp() -> torch.nn.Module:
@@ -428,7 +429,23 @@ def _coexecute_like_eager(make_optimizer: Callable[[list[torch.nn.Parameter]], t
     eager_model = _mlp()
     expected = train(eager_model)
     net = _mlp()
-    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
+    wrapped = terra_torch.wrap(net, optimize="fused")
+    program = wrapped._terra_program
+
+    class Recorder(SpeedCheck):
+        """Always co-executes; notes how many segments were settling at each measured iteration."""
+
+        def __init__(self) -> None:
+            super().__init__(True, probe=(0, 0))
+            self.settling: list[int] = []
+
+        def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
+            self.settling.append(program._session.fused.settling())
+            return COEXEC
+
+    # The speed check measures no iteration in which loaded segments are checked or timed
+    # (Program._speed_observe): those are slower than the steady ones.
+    program._speed = check = Recorder()
     got = train(wrapped)
     terra_torch.synchronize()
     assert got == expected
@@ -615,6 +632,7 @@ def test_coexecution_runs_compiled_segments_within_tolerance(tmp_path, monkeypat
     extracted = tmp_path / "extracted"
     extracted.mkdir()
     monkeypatch.setenv("TMPDIR", str(extracted))
+    monkeypatch.setenv("TERRA_FUSED_MIN_SPEEDUP", "1e-6")  # a speed trial, which keeps compiled code
     torch.manual_seed(0)
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -625,7 +643,23 @@ def test_coexecution_runs_compiled_segments_within_tolerance(tmp_path, monkeypat
     eager_model, net = make(), make()
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
+    wrapped = terra_torch.wrap(net, optimize="fused")
+    program = wrapped._terra_program
+
+    class Recorder(SpeedCheck):
+        """Always co-executes; notes how many segments were settling at each measured iteration."""
+
+        def __init__(self) -> None:
+            super().__init__(True, probe=(0, 0))
+            self.settling: list[int] = []
+
+        def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
+            self.settling.append(program._session.fused.settling())
+            return COEXEC
+
+    # The speed check measures no iteration in which loaded segments are checked or timed
+    # (Program._speed_observe): those are slower than the steady ones.
+    program._speed = check = Recorder()
 
     def step(model, optimizer) -> float:
         loss = F.cross_entropy(model(x), y)
@@ -644,6 +678,10 @@ def test_coexecution_runs_compiled_segments_within_tolerance(tmp_path, monkeypat
         if segments and all(s["state"] in ("trusted", "interpreted") for s in segments):
             break
         assert time.monotonic() < deadline, segments
+    assert check.settling and not any(check.settling), check.settling
+    held = steps - len(check.settling)  # (tracing iterations are not measured either)
+    # (the check and 2 x 8 trial runs; Python runs at most two iterations ahead of the graph)
+    assert held >= 12, (steps, len(check.settling))
     before = sum(s["compiled_runs"] for s in segments)
     for _ in range(30):
         torch.testing.assert_close(step(wrapped, opt), step(eager_model, eager_opt), rtol=1e-3, atol=1e-5)
