@@ -142,7 +142,8 @@ class Graph:
         """Per segment of mode "fused": ops, state (new, requested, compiling, loaded, trusted,
         interpreted), reason (why interpreted), compiled_runs, interpreted_runs, max_difference,
         the speed trial's compiled_us and interpreted_us, first_run_us (the first run, which
-        decides whether it is worth compiling: FusedExecutor::min_segment_us), and inlined (its
+        decides whether it is worth compiling: FusedExecutor::min_segment_us), package (the
+        path of its compiled package, "" before it has one), and inlined (its
         ops run in place, uncalled: waiting for the compiler, or interpreted for good)."""
         return list(self._graph.fused.report())
 

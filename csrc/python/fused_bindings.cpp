@@ -119,6 +119,8 @@ void init_fused(py::module_& m) {
           },
           py::arg("segment"), py::arg("package_path"))
       .def("failed", &runtime::FusedExecutor::failed, py::arg("segment"), py::arg("reason"))
+      .def("close", &runtime::FusedExecutor::close, py::call_guard<py::gil_scoped_release>(),
+           "let every loaded package go (as a closed program does); segments report interpreted")
       .def("settling", &runtime::FusedExecutor::settling,
            "segments loaded but not yet checked, or still in their speed trial")
       .def("report",
@@ -135,6 +137,7 @@ void init_fused(py::module_& m) {
                d["compiled_us"] = s.compiled_us;  // the speed trial's medians (0 before it ends)
                d["interpreted_us"] = s.interpreted_us;
                d["first_run_us"] = s.first_run_us;
+               d["package"] = s.package;
                d["inlined"] = s.inlined;  // its body runs in place of its call (waiting, or interpreted for good)
                out.append(d);
              }

@@ -70,6 +70,34 @@ struct RunningScope {
   ~RunningScope() { t_running = saved; }
 };
 
+// Verdicts on compiled packages, for the whole process, by package path: the path names the
+// package by a hash of the body, the call plan and the versions (terra_torch/_fused.py,
+// package_key), so the same path means the same compiled code for the same inputs. A graph
+// built again (a co-executed program rebuilds its graph when a new path is traced; `graph.build`
+// of the same recording) cuts the same segments, and its compiler finds their packages in the
+// cache; the segment then takes the verdict this process reached on that package (its loaded
+// code, trusted, or the reason it stays interpreted) instead of loading, checking and timing it
+// again: a program that rebuilds its graph now and then (trip_count) ran its segments through
+// all of that after every rebuild. Only verdicts on the package itself are kept: trusted after
+// its trial, refused by its check or its trial, raised once trusted; not a failed compile,
+// which another try may not repeat. Entries go when a program using them closes (close()) and
+// at exit (close_every_live()), with the loaders' extracted folders.
+//
+// Locking: the book's mutex is taken after an executor's mu, never before it.
+struct Verdict {
+  std::shared_ptr<Loader> loader;  // trusted: the loaded code; null: stays interpreted (reason)
+  std::string reason;
+  double max_difference = 0, compiled_us = 0, interpreted_us = 0;
+};
+struct VerdictBook {
+  std::mutex mu;
+  std::unordered_map<std::string, Verdict> by_path;  // guarded by mu
+};
+VerdictBook& verdict_book() {
+  static auto* book = new VerdictBook();  // (leaked, as LiveExecutors below)
+  return *book;
+}
+
 // Every FusedExecutor alive, for close_every_live() at exit. Leaked, so that it outlives the
 // executors static destructors might still free.
 struct LiveExecutors {
@@ -255,6 +283,7 @@ struct SegmentState {
   std::atomic<bool> trial_done{false};
   double compiled_us = 0, interpreted_us = 0;
   double first_run_us = 0;  // the first (interpreted) run, timed: min_segment_us() decides on it
+  std::string package_path;  // set by compiled(): the key of its verdict in verdict_book()
 
   explicit SegmentState(emit::Segment s)
       : segment(std::move(s)), code(segment.body, "terra_segment"), written(written_inputs(*segment.body)) {}
@@ -269,6 +298,17 @@ struct SegmentState {
     return out;
   }
 };
+
+// Notes the segment's verdict on its package for the rest of the process (verdict_book); the
+// caller holds the executor's mu and has just decided: trusted with its trial over, or
+// interpreted for good after its check, its trial or a raise.
+void remember_verdict(const SegmentState& s) {
+  if (s.package_path.empty()) return;
+  Verdict v{s.state == State::kTrusted ? s.loader : nullptr, s.reason, s.max_difference, s.compiled_us, s.interpreted_us};
+  VerdictBook& book = verdict_book();
+  std::lock_guard lock(book.mu);
+  book.by_path.insert_or_assign(s.package_path, std::move(v));
+}
 
 }  // namespace
 
@@ -307,6 +347,11 @@ void FusedExecutor::close_every_live() {
   LiveExecutors& live = live_executors();
   std::lock_guard lock(live.mu);  // lock order: live.mu, then an executor's mu (close())
   for (FusedExecutor* e : live.executors) e->close();
+  // (graphs destroyed earlier left their packages' verdicts, and with them the loaders)
+  std::unordered_map<std::string, Verdict> dropped;  // destroyed after the lock
+  VerdictBook& book = verdict_book();
+  std::lock_guard book_lock(book.mu);
+  dropped.swap(book.by_path);
 }
 
 std::vector<c10::IValue> FusedExecutor::run(std::vector<c10::IValue> inputs) {
@@ -365,6 +410,7 @@ std::vector<at::Tensor> run_compiled(std::mutex& mu, SegmentState& s, Loader& lo
       s.state = State::kInterpreted;
       s.reason = "compiled code raised after it was trusted: " + first_line(e.what());
       s.loader.reset();  // (this run holds its own reference)
+      remember_verdict(s);
     }
     if (raised != nullptr) *raised = true;
     if (std::find(s.written.begin(), s.written.end(), true) != s.written.end()) throw;
@@ -397,8 +443,11 @@ std::vector<at::Tensor> trial_run(std::mutex& mu, SegmentState& s, Loader& loade
     out = s.interpret(inputs);
   }
   const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  if (wanted <= 0) return out;
   std::lock_guard lock(mu);
+  if (wanted <= 0) {
+    if (s.state == State::kTrusted) remember_verdict(s);  // (no trial: trusted as it is)
+    return out;
+  }
   (compiled_turn ? s.trial_compiled : s.trial_interpreted).push_back(ns);
   if (static_cast<int>(s.trial_interpreted.size()) < kTrialRuns || static_cast<int>(s.trial_compiled.size()) < kTrialRuns)
     return out;
@@ -422,6 +471,7 @@ std::vector<at::Tensor> trial_run(std::mutex& mu, SegmentState& s, Loader& loade
     s.loader.reset();
   }
   s.trial_done.store(true, std::memory_order_release);
+  remember_verdict(s);
   return out;
 }
 
@@ -501,6 +551,7 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
     if (reason) {
       s.reason = *reason;
       s.loader.reset();
+      remember_verdict(s);  // (a trusted one is noted once its trial is over)
     }
   }
   return want;
@@ -526,6 +577,30 @@ std::optional<CompileRequest> FusedExecutor::next_request(std::chrono::nanosecon
 
 void FusedExecutor::compiled(size_t index, const std::string& package_path) {
   TORCH_CHECK(index < impl_->segments.size(), "terra_torch: no segment ", index);
+  std::optional<Verdict> known;
+  {
+    VerdictBook& book = verdict_book();
+    std::lock_guard lock(book.mu);
+    if (auto it = book.by_path.find(package_path); it != book.by_path.end()) known = it->second;
+  }
+  if (known) {  // this process checked (and timed) the same package already
+    std::lock_guard lock(impl_->mu);
+    if (impl_->closed) return;
+    SegmentState& s = *impl_->segments[index];
+    s.package_path = package_path;
+    s.max_difference = known->max_difference;
+    s.compiled_us = known->compiled_us;
+    s.interpreted_us = known->interpreted_us;
+    if (known->loader) {
+      s.loader = std::move(known->loader);
+      s.state = State::kTrusted;
+      s.trial_done.store(true, std::memory_order_release);
+    } else {
+      s.state = State::kInterpreted;
+      s.reason = known->reason + " (decided earlier in this process for the same package)";
+    }
+    return;
+  }
   std::shared_ptr<Loader> loader;
   std::string error;
   try {
@@ -538,15 +613,23 @@ void FusedExecutor::compiled(size_t index, const std::string& package_path) {
   SegmentState& s = *impl_->segments[index];
   if (impl_->closed) return;  // (the loader goes, its folder with it)
   s.loader = std::move(loader);
+  s.package_path = package_path;
   s.state = State::kLoaded;
 }
 
 void FusedExecutor::close() {
-  std::vector<std::shared_ptr<Loader>> released;  // destroyed after the lock: each removes a folder
+  std::vector<std::shared_ptr<Loader>> released;  // destroyed after the locks: each removes a folder
+  std::vector<Verdict> forgotten;                  // (the same)
   {
     std::lock_guard lock(impl_->mu);
     impl_->closed = true;
+    VerdictBook& book = verdict_book();
+    std::lock_guard book_lock(book.mu);
     for (auto& s : impl_->segments) {
+      if (auto it = book.by_path.find(s->package_path); !s->package_path.empty() && it != book.by_path.end()) {
+        forgotten.push_back(std::move(it->second));
+        book.by_path.erase(it);
+      }
       if (s->loader) released.push_back(std::move(s->loader));
       if (s->state != State::kNew && s->state != State::kInterpreted) {
         s->state = State::kInterpreted;
@@ -572,7 +655,7 @@ std::vector<SegmentReport> FusedExecutor::report() const {
   for (const auto& s : impl_->segments) {
     out.push_back({s->segment.num_ops, name_of(s->state), s->reason, s->compiled_runs.load(),
                    s->interpreted_runs.load(), s->max_difference, s->compiled_us, s->interpreted_us,
-                   s->first_run_us, impl_->inlined[out.size()]});
+                   s->first_run_us, s->package_path, impl_->inlined[out.size()]});
   }
   return out;
 }

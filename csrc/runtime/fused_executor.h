@@ -36,7 +36,9 @@
 // or the graph runs (a rebuilt graph is made outside it), so the compiler's
 // next_request()/compiled() calls and a running graph never wait for each other's work. A
 // process-wide list of live executors (for close_every_live) has its own mutex, taken before an
-// executor's mu_, never after.
+// executor's mu_, never after. The process-wide verdicts on packages (fused_executor.cpp,
+// verdict_book: a graph built again takes the verdicts on packages this process has checked
+// and timed) have a mutex taken after an executor's mu_, never before.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -119,6 +121,7 @@ struct SegmentReport {
   // The speed trial's medians, microseconds per run (0 until the trial ended).
   double compiled_us = 0, interpreted_us = 0;
   double first_run_us = 0;  // its first run, interpreted and called (0 until it ran)
+  std::string package;      // its compiled package's path ("" before the compiler handed one)
   // Its ops now run in place, not called (emit::cut_segments): it waits for the compiler, or
   // stays interpreted for good.
   bool inlined = false;
@@ -148,7 +151,8 @@ class FusedExecutor final : public Executor {
 
   // For the compiler (any thread; blocks at most `wait`, so Python must release the GIL).
   std::optional<CompileRequest> next_request(std::chrono::nanoseconds wait);
-  void compiled(size_t segment, const std::string& package_path);  // loads the package
+  // Loads the package, or takes this process's verdict on it where there is one.
+  void compiled(size_t segment, const std::string& package_path);
   void failed(size_t segment, const std::string& reason);
   // The program is closed for good (Session::shut_down): every loaded package is let go now, so
   // that its loader deletes the folder it extracted the package to (AOTIModelPackageLoader does
