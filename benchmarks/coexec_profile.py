@@ -12,8 +12,9 @@ wall and Python-thread CPU time per step and, under terra, the runtime's counter
 `--program NAME` runs a program of the benchmark suite (benchmarks/programs/NAME.py) instead,
 wrapped the way the suite's `terra` column wraps it (`terra_torch.wrap(model)`, or
 `terra_torch.function(step)` where the program sets TERRA_ITERATION = "step"); `--optimizer` is
-then ignored. The speed check is the caller's to turn off (TERRA_SPEED_CHECK=0), so that every
-step co-executes.
+then ignored; `--optimize fused` runs it with compiled segments (timed once they are compiled,
+checked and through their speed trial). The speed check is the caller's to turn off
+(TERRA_SPEED_CHECK=0), so that every step co-executes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--program", default=None, help="a benchmark program (benchmarks/programs) instead of the MLP")
+    p.add_argument("--optimize", choices=("none", "fused"), default="none",
+                   help="with --program: optimize=\"fused\" (compiled segments); the loop waits until they are "
+                        "compiled and runs 300 more steps before it times")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.program is not None:
@@ -88,17 +92,26 @@ def run_program(args: argparse.Namespace) -> None:
     from benchmarks.harness.terra import TerraRunner
 
     module = load_program(args.program)
-    runner = Runner() if args.eager else TerraRunner("terra", "coexec")
+    fused = args.optimize == "fused" and not args.eager
+    runner = Runner() if args.eager else TerraRunner("terra", "coexec", optimize="fused" if fused else False)
     if runner.unavailable_reason():
         raise SystemExit(runner.unavailable_reason())
     runner.bind_program(module)
     state = module.build(0, Runtime("cpu", runner.wrap_model))
     step = runner.wrap_step(module.step)
     warm = min(50, args.steps // 2)
+    if fused:  # compiled, checked and through their speed trial before the timed steps
+        for i in range(300):
+            step(state, i)
+        runner.settle()
+        for i in range(300, 600):
+            step(state, i)
+        warm = 0
+    start = 600 if fused else 0
     for i in range(args.steps):
         if i == warm:
             t0, c0 = time.perf_counter(), time.thread_time()
-        step(state, i)
+        step(state, start + i)
     runner.sync()
     n = args.steps - warm
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

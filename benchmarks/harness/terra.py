@@ -277,11 +277,16 @@ class GraphOnlyRunner(Runner):
         from terra_torch import _fused, _runtime
 
         t0 = time.perf_counter()
-        while _fused.compile_one(self._runner.fused, 0.0):
-            pass
+        # (twice: a segment whose first run was one of the check's, from restored snapshots,
+        # may be planned again from the scripts' inputs in the replays after its compile)
+        for _ in range(2):
+            while _fused.compile_one(self._runner.fused, 0.0):
+                pass
+            for script in self._scripts:
+                _runtime.run_iteration(self._runner, script, WAIT_S)
+            if not any(s["state"] == "requested" for s in self._runner.fused.report()):
+                break
         self._plan_info["compile_s"] = time.perf_counter() - t0
-        for script in self._scripts:
-            _runtime.run_iteration(self._runner, script, WAIT_S)
 
     def _post_next(self) -> _Replay:
         from terra_torch import _runtime

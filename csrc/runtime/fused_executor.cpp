@@ -284,6 +284,7 @@ struct SegmentState {
   double compiled_us = 0, interpreted_us = 0;
   double first_run_us = 0;  // the first (interpreted) run, timed: min_segment_us() decides on it
   std::string package_path;  // set by compiled(): the key of its verdict in verdict_book()
+  bool replanned = false;    // planned again once (FusedExecutor::replan)
 
   explicit SegmentState(emit::Segment s)
       : segment(std::move(s)), code(segment.body, "terra_segment"), written(written_inputs(*segment.body)) {}
@@ -510,7 +511,34 @@ std::vector<at::Tensor> FusedExecutor::run_segment(size_t index, std::vector<at:
     return out;
   }
   if (state != State::kTrusted && state != State::kLoaded) return s.interpret(inputs);
-  if (!fits(s.plan, inputs, s.written)) return s.interpret(inputs);  // (another batch size: later)
+  if (!fits(s.plan, inputs, s.written)) {
+    // Loaded code not yet checked whose plan these inputs do not fit: the first run was not
+    // like the others (a replay that starts from restored snapshots, contiguous where the
+    // program's inputs are views, as gpt's `tokens[:, :-1]`), so the segment is planned again
+    // from these inputs and compiled for them, once. Trusted code keeps its plan: inputs of
+    // another layout (a smaller last batch) run interpreted and the plan's come back.
+    if (state == State::kLoaded && !s.replanned) {
+      std::variant<CallPlan, std::string> plan = plan_of(inputs, s.written);
+      std::shared_ptr<Loader> released;  // (destroyed after the lock: it removes a folder)
+      {
+        std::lock_guard lock(impl_->mu);
+        if (s.state == State::kLoaded && !s.replanned) {
+          s.replanned = true;
+          released = std::move(s.loader);
+          s.package_path.clear();
+          if (auto* p = std::get_if<CallPlan>(&plan)) {
+            s.plan = std::move(*p);
+            s.state = State::kRequested;
+          } else {
+            s.state = State::kInterpreted;
+            s.reason = std::get<std::string>(plan);
+          }
+        }
+      }
+      impl_->requested.notify_all();
+    }
+    return s.interpret(inputs);
+  }
   if (state == State::kTrusted) {
     if (!s.trial_done.load(std::memory_order_acquire)) return trial_run(impl_->mu, s, *loader, inputs);
     s.compiled_runs.fetch_add(1, std::memory_order_relaxed);

@@ -11,6 +11,8 @@
 //   compiling --compiled(path): package loaded--> loaded | --failed(reason)--> interpreted
 //   loaded --next run with the same plan: compiled on copies of the inputs, interpreted on
 //            the real ones, results and written inputs compared--> trusted | rejected
+//          --next run with inputs the plan does not fit (the first run was not like the
+//            others: a replay from restored snapshots)--> requested, planned from them (once)
 //   trusted: compiled whenever the inputs' plan is the compiled one, else interpreted. Its
 //            first 2 * kTrialRuns runs with that plan alternate compiled and interpreted code,
 //            timed: compiled code slower than min_speedup() times the interpreter's (medians)

@@ -175,6 +175,38 @@ def test_a_segment_faster_than_the_floor_on_its_first_run_is_not_compiled(monkey
     assert not _fused.compile_one(g._graph.fused, 0.0)  # nothing was requested
 
 
+def test_a_loaded_segment_whose_first_inputs_were_unlike_the_next_ones_is_planned_again() -> None:
+    # The first run fed a contiguous copy of a strided view (as a replay from restored snapshots
+    # does; gpt's batch is `tokens[:, :-1]`), so the compiled code is for the wrong strides: the
+    # next run, fed the view, plans the segment again from it and asks for a compile for it,
+    # running interpreted meanwhile; that code is then checked and trusted.
+    data, w = torch.randn(8, 17), torch.randn(16, 16)
+    x = data[:, :-1]
+
+    def step() -> torch.Tensor:
+        return ((x @ w) * 2 + 1).relu().sum()
+
+    rec = graph.record(step)
+    g = graph.build([rec])
+    (k,) = [i for i, t in enumerate(rec.externals) if t is x]
+    first = list(rec.externals)
+    first[k] = x.contiguous()
+    assert first[k].stride() != x.stride()
+    g.run(rec, externals=first, mode="fused")
+    (before,) = g.compile_segments()
+    assert before["state"] == "loaded"
+    out = g.run(rec, mode="fused")
+    assert torch.equal(out.outputs[0], step())  # interpreted
+    (replanned,) = g.segments
+    assert replanned["state"] == "requested" and replanned["package"] == "", replanned
+    (after,) = g.compile_segments()
+    assert after["state"] == "loaded" and after["package"] != before["package"]
+    for _ in range(2):
+        torch.testing.assert_close(g.run(rec, mode="fused").outputs[0], step(), rtol=1e-3, atol=1e-5)
+    (done,) = g.segments
+    assert done["state"] == "trusted" and done["compiled_runs"] == 1, done
+
+
 def test_compiled_segments_are_checked_then_run_within_tolerance() -> None:
     model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
 
