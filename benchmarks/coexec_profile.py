@@ -115,7 +115,7 @@ def run_program(args: argparse.Namespace) -> None:
     runner.sync()
     n = args.steps - warm
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    print(f"{'eager' if args.eager else 'terra'} {args.program}: {wall * 1e3 / n:.3f} ms/step wall, "
+    print(f"{'eager' if args.eager else 'terra-fused' if fused else 'terra'} {args.program}: {wall * 1e3 / n:.3f} ms/step wall, "
           f"{cpu * 1e3 / n:.3f} ms/step Python-thread CPU")
     if not args.eager:
         st = runner.stats()
