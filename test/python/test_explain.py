@@ -296,3 +296,21 @@ def test_terra_log_env_var_in_a_fresh_process():
     env.pop("TERRA_LOG")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "WARNING" and "hello" not in done.stderr
+
+
+def test_the_summary_counts_waiting_and_too_small_segments_on_one_line_each() -> None:
+    # optimize="fused": a long loop body has dozens of segments too small to compile; they are
+    # one line, with the largest first run, and the ones waiting for the compiler another.
+    def seg(state: str, reason: str = "", ops: int = 3, first_run_us: float = 0.0) -> dict:
+        return {"ops": ops, "state": state, "reason": reason, "inlined": state != "trusted",
+                "first_run_us": first_run_us}
+
+    small = "its first run took {} us, under the 10 us (TERRA_FUSED_MIN_SEGMENT_US) that a call ..."
+    segments = ([seg("trusted", ops=20)] + [seg("requested")] * 2 +
+                [seg("interpreted", small.format(u), ops=2, first_run_us=u) for u in (4.5, 8.25, 6.0)] +
+                [seg("interpreted", "compiled code was slower than the interpreter: 13 us against 9 us", ops=5)])
+    text = str(explanation_from(None, {}, [], segments=segments))
+    assert "compiled segments: 1 of 7 run compiled (20 of 37 ops)" in text
+    assert "2 segments waiting for the compiler" in text
+    assert "3 segments (6 ops) not compiled: each ran in under 8.25 us" in text
+    assert text.count("stays interpreted") == 1 and "segment 6 (5 ops, in place) stays interpreted" in text

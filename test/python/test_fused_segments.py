@@ -486,23 +486,7 @@ def _coexecute_like_eager(make_optimizer: Callable[[list[torch.nn.Parameter]], t
     eager_model = _mlp()
     expected = train(eager_model)
     net = _mlp()
-    wrapped = terra_torch.wrap(net, optimize="fused")
-    program = wrapped._terra_program
-
-    class Recorder(SpeedCheck):
-        """Always co-executes; notes how many segments were settling at each measured iteration."""
-
-        def __init__(self) -> None:
-            super().__init__(True, probe=(0, 0))
-            self.settling: list[int] = []
-
-        def observe(self, mode: str, seconds: float, iteration: int, waited: float | None = None) -> str:
-            self.settling.append(program._session.fused.settling())
-            return COEXEC
-
-    # The speed check measures no iteration in which loaded segments are checked or timed
-    # (Program._speed_observe): those are slower than the steady ones.
-    program._speed = check = Recorder()
+    wrapped = terra_torch.wrap(net, optimize="fused", speed_check=False)
     got = train(wrapped)
     terra_torch.synchronize()
     assert got == expected
