@@ -533,7 +533,7 @@ class Program:
         if self._compiler is not None and self._compiler.changes != self._speed_compiles and self._compiler.idle:
             self._speed_compiles = self._compiler.changes
             self._speed.recheck()
-        if mode == COEXEC and self._compiler is not None and self._speed_held < MAX_SETTLING_ITERATIONS:
+        if mode == COEXEC and self._compiler is not None:
             # Loaded compiled code is checked on its first run, then timed against the interpreter
             # (FusedExecutor::settling): such iterations are slower than the steady ones, and a
             # check measuring them chose eager, where the segments never settle (half of the
@@ -542,8 +542,10 @@ class Program:
             fused = self._session.fused
             if fused is not None and fused.settling():
                 self._speed_held += 1
-                return
-        self._speed_held = 0
+                if self._speed_held <= MAX_SETTLING_ITERATIONS:
+                    return
+            else:
+                self._speed_held = 0
         waited = None
         if mode == COEXEC and self._speed.probing:
             # Python's waits for the graph in this iteration (the session's sums only grow, and
