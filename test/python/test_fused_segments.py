@@ -62,7 +62,7 @@ def _recorded_with_eager_twin():
 
 
 def _eager_stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
-    """The recorded step, eagerly on the twin: returns the loss."""
+    """The recorded step, eagerly on the twin: returns the loss (`.model` is the twin)."""
     def step() -> torch.Tensor:
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -70,7 +70,30 @@ def _eager_stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.
         opt.step()
         return loss.detach()
 
+    step.model = model  # type: ignore[attr-defined]
     return step
+
+
+def _graph_after_its_first_run() -> tuple[torch.nn.Module, Any, Any, Callable[[], torch.Tensor]]:
+    """(model, recording, graph, eager twin's step) after the graph's first fused run (each
+    segment's first run: its plan noted, a compile requested) and the twin's matching step."""
+    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
+    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
+    g = graph.build([rec])
+    g.run(rec, mode="fused")
+    eager_step()
+    return model, rec, g, eager_step
+
+
+def _runs_bitwise_like_eager(g: Any, rec: Any, model: torch.nn.Module, eager_step: Callable[[], torch.Tensor],
+                             runs: int) -> None:
+    """`runs` fused runs of the graph, each bitwise equal to the eager twin's step: the loss and
+    every parameter (interpreted segments, called or in place)."""
+    for _ in range(runs):
+        out = g.run(rec, mode="fused")
+        assert torch.equal(out.outputs[0], eager_step())
+        for p, q in zip(model.parameters(), eager_step.model.parameters()):
+            assert torch.equal(p, q)
 
 
 @pytest.fixture(autouse=True)
@@ -106,21 +129,12 @@ def test_a_cut_graph_runs_interpreted_bitwise_like_eager() -> None:
 def test_segments_that_stay_interpreted_run_in_place_bitwise_like_eager() -> None:
     # A segment given up for good (here: its compile "failed") is no longer called: the graph is
     # cut again with its ops left in place, and runs stay bitwise eager.
-    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
-    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
-    g = graph.build([rec])
-    g.run(rec, mode="fused")
-    eager_step()
+    model, rec, g, eager_step = _graph_after_its_first_run()
     executor = g._graph.fused
     for k in range(len(g.segments)):
         executor.failed(k, "given up by the test")
     calls = [s["interpreted_runs"] for s in g.segments]
-    for _ in range(3):
-        out = g.run(rec, mode="fused")
-        loss = eager_step()
-        assert torch.equal(out.outputs[0], loss)
-        for p, q in zip(model.parameters(), eager_model.parameters()):
-            assert torch.equal(p, q)
+    _runs_bitwise_like_eager(g, rec, model, eager_step, 3)
     report = g.segments
     assert all(s["state"] == "interpreted" and s["inlined"] for s in report), report
     assert [s["interpreted_runs"] for s in report] == calls  # not called any more
@@ -130,16 +144,8 @@ def test_segments_waiting_for_the_compiler_run_in_place_and_are_called_once_load
     # While a segment waits for its compiled code, the graph runs its ops in place (a call would
     # only cost): its interpreted_runs stop at the first run, which noted its plan. Once its
     # package is loaded, the graph calls it again, for the check and the compiled runs.
-    model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
-    eager_step = _eager_stepper(eager_model, eager_opt, x, y)
-    g = graph.build([rec])
-    g.run(rec, mode="fused")
-    eager_step()
-    for _ in range(3):
-        out = g.run(rec, mode="fused")
-        assert torch.equal(out.outputs[0], eager_step())
-        for p, q in zip(model.parameters(), eager_model.parameters()):
-            assert torch.equal(p, q)
+    model, rec, g, eager_step = _graph_after_its_first_run()
+    _runs_bitwise_like_eager(g, rec, model, eager_step, 3)
     report = g.segments
     assert all(s["state"] == "requested" and s["inlined"] for s in report), report
     assert all(s["interpreted_runs"] == 1 and s["first_run_us"] > 0 for s in report), report
@@ -161,11 +167,7 @@ def test_a_segment_faster_than_the_floor_on_its_first_run_is_not_compiled(monkey
     model, rec, eager_model, eager_opt, x, y = _recorded_with_eager_twin()
     eager_step = _eager_stepper(eager_model, eager_opt, x, y)
     g = graph.build([rec])
-    for _ in range(3):
-        out = g.run(rec, mode="fused")
-        assert torch.equal(out.outputs[0], eager_step())
-        for p, q in zip(model.parameters(), eager_model.parameters()):
-            assert torch.equal(p, q)
+    _runs_bitwise_like_eager(g, rec, model, eager_step, 3)
     report = g.segments
     assert report and all(s["state"] == "interpreted" and s["inlined"] for s in report), report
     assert all("TERRA_FUSED_MIN_SEGMENT_US" in s["reason"] and s["first_run_us"] > 0 for s in report), report
