@@ -141,7 +141,7 @@ class FusedExecutor final : public Executor {
   // How much faster than the interpreter compiled code must be to stay: TERRA_FUSED_MIN_SPEEDUP
   // (default 1.0; 0 keeps every checked segment compiled without a trial).
   static double min_speedup();
-  // A segment whose first run took less is not compiled: TERRA_FUSED_MIN_SEGMENT_US (default
+  // A CPU segment whose first run took less is not compiled: TERRA_FUSED_MIN_SEGMENT_US (default
   // 10; 0 compiles every segment). A compiled call costs 7-19 us on the development machine, and
   // no segment interpreted in under 10 us won its speed trial by more than 5% (docs/RUNTIME.md,
   // "Compiled segments"); the first run is the slowest, so a segment under it is small for sure.
