@@ -9,6 +9,7 @@
 //            costs about that much, so its compile would be wasted)
 //   requested --compiler takes it (next_request)--> compiling
 //   compiling --compiled(path): package loaded--> loaded | --failed(reason)--> interpreted
+//            | a package this process already checked--> its verdict: trusted or interpreted
 //   loaded --next run with the same plan: compiled on copies of the inputs, interpreted on
 //            the real ones, results and written inputs compared--> trusted | rejected
 //          --next run with inputs the plan does not fit (the first run was not like the
