@@ -109,14 +109,16 @@ class Explanation:
             if waiting:
                 out.append(f"    {_plural(len(waiting), 'segment')} waiting for the compiler, run in place meanwhile")
             # (one line for all that are too small to compile: a long loop body has dozens)
-            small = [s for s in self.segments
-                     if s["state"] == "interpreted" and "TERRA_FUSED_MIN_SEGMENT_US" in s["reason"]]
+            def too_small(s: dict[str, Any]) -> bool:
+                return s["state"] == "interpreted" and "TERRA_FUSED_MIN_SEGMENT_US" in s["reason"]
+
+            small = [s for s in self.segments if too_small(s)]
             if small:
                 out.append(f"    {_plural(len(small), 'segment')} ({sum(s['ops'] for s in small)} ops) not compiled: "
                            f"each ran in under {max(s['first_run_us'] for s in small):.3g} us, less than a "
                            "compiled call costs (TERRA_FUSED_MIN_SEGMENT_US)")
             for k, s in enumerate(self.segments):
-                if s["state"] == "interpreted" and not any(s is t for t in small):
+                if s["state"] == "interpreted" and not too_small(s):
                     where = ", in place" if s.get("inlined") else ""
                     out.append(f"    segment {k} ({s['ops']} ops{where}) stays interpreted: {s['reason']}")
         out.append(f"  fallbacks: {len(self.fallbacks)}")

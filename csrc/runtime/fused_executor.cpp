@@ -657,7 +657,7 @@ void FusedExecutor::close() {
     VerdictBook& book = verdict_book();
     std::lock_guard book_lock(book.mu);
     for (auto& s : impl_->segments) {
-      if (auto it = book.by_path.find(s->package_path); !s->package_path.empty() && it != book.by_path.end()) {
+      if (auto it = book.by_path.find(s->package_path); it != book.by_path.end()) {  // ("" is never a key)
         forgotten.push_back(std::move(it->second));
         book.by_path.erase(it);
       }
