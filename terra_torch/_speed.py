@@ -29,9 +29,11 @@ worker's intra-op threads"); each such iteration before a verdict costs several 
   several eager ones).
 - *Decisive blocks.* Once one mode has a complete block, a block of the other whose first 3
   iterations each take more (or each less) than `decisive` (1.5x) times the first mode's median,
-  or whose median does, ends the check at once for the faster mode. A mode with a faster block
-  earlier in the same check is not decided slower by a later one: load from another process
-  makes a block slower, never faster.
+  or whose median does, ends the check at once for the faster mode. For co-execution, the mode a
+  program stays in within the noise, `favoured` (1.25x) is enough: eager iterations each 1.25x
+  co-execution's median end the check for co-execution. A mode with a faster block earlier in the
+  same check is not decided slower by a later one: load from another process makes a block
+  slower, never faster.
 
 *Settling by time.* After a switch to co-execution (from eager iterations or tracing), the
 OpenMP team threads of Python's eager kernels spin for libgomp's default spin count on the core
@@ -102,12 +104,13 @@ class SpeedCheck:
 
     def __init__(self, enabled: bool = True, *, first_after: int = 40, window: int = 20, settle: int = 5,
                  settle_s: float | None = None, interval: int = 200, max_interval: int = 12800, margin: float = 0.05,
-                 decisive: float = 1.5, probe: tuple[int, int] = (4, 10), coexec_settle_s: float | None = None) -> None:
+                 decisive: float = 1.5, favoured: float = 1.25, probe: tuple[int, int] = (4, 10),
+                 coexec_settle_s: float | None = None) -> None:
         if window < 2 or settle < 0 or first_after < window or interval < 1 or max_interval < interval:
             raise ValueError("SpeedCheck: need window >= 2, settle >= 0, first_after >= window and "
                              "max_interval >= interval >= 1")
-        if decisive <= 1.0 + margin:
-            raise ValueError("SpeedCheck: decisive must exceed 1 + margin")
+        if not 1.0 + margin < favoured <= decisive:
+            raise ValueError("SpeedCheck: need 1 + margin < favoured <= decisive")
         self.enabled = enabled
         self.window = window
         self.settle = settle
@@ -133,6 +136,13 @@ class SpeedCheck:
         self.max_interval = max_interval
         self.margin = margin
         self.decisive = decisive
+        # The decisive factor where the evidence favours co-execution (eager slower, or
+        # co-execution faster). Co-execution is where a program stays within the noise, and each
+        # eager iteration of a check costs the gap: quick-suite lstm co-executes 1.4x faster than
+        # eager, under `decisive`, so every first check ran all its blocks, 30 eager iterations of
+        # the cell's 140. Wrongly kept (load during the eager block), co-execution is measured
+        # again `interval` iterations later.
+        self.favoured = favoured
         # Probe: after probe[0] co-executed iterations, sum the time and Python's waits of the
         # next probe[1] (None once the probe is over).
         self._probe_shape = probe
@@ -206,7 +216,8 @@ class SpeedCheck:
             best_other = min(statistics.median(b) for b in done)
             low, high = (statistics.median(block),) * 2 if self._block_left == 0 else (min(block), max(block))
             low = min([low] + [statistics.median(b) for b in self._samples[mode][:-1]])
-            if low > self.decisive * best_other or high * self.decisive < best_other:
+            slower, faster = (self.favoured, self.decisive) if mode == EAGER else (self.decisive, self.favoured)
+            if low > slower * best_other or high * faster < best_other:
                 return self._conclude(iteration, {mode: statistics.median(block), other: best_other})
         if self._block_left > 0:
             return self._mode

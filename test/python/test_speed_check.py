@@ -87,7 +87,7 @@ def test_blocks_settle_for_a_time_after_a_switch_where_teams_can_spin(monkeypatc
 
 def test_the_interval_between_checks_doubles_while_the_decision_stays():
     check = SpeedCheck(first_after=4, window=2, settle=1, interval=5, max_interval=20)
-    feed(check, {COEXEC: 1.0, EAGER: 1.5}, 300)
+    feed(check, {COEXEC: 1.0, EAGER: 1.2}, 300)  # (within `favoured`: every block measured)
     assert all(v.chosen == COEXEC for v in check.verdicts)
     gaps = [b.iteration - a.iteration for a, b in zip(check.verdicts, check.verdicts[1:])]
     # Each gap is the interval plus one check (4 blocks of 1, 3 switches of 1 to settle).
@@ -188,6 +188,36 @@ def test_a_decisive_gap_ends_a_check_early_in_both_directions():
     assert not check.verdicts
     feed(check, {COEXEC: 1.45, EAGER: 1.0}, 1, start=12)
     assert check.verdicts[0].chosen == EAGER and check.verdicts[0].iteration == 12
+
+
+def test_eager_iterations_clearly_slower_end_a_check_for_coexecution_sooner():
+    """Co-execution is where a program stays within the noise, so evidence for it needs less:
+    3 eager iterations each beyond `favoured` times co-execution's median end the check (the
+    quick suite's lstm, 1.4x faster co-executed, ran 30 eager iterations of its 140 before)."""
+    check = SpeedCheck(first_after=20, window=20, settle=5, interval=200)
+    modes = feed(check, {COEXEC: 1.0, EAGER: 1.35}, 40)
+    assert "".join(m[0] for m in modes) == "c" * 20 + "e" * (5 + 3) + "c" * 12
+    v = check.verdicts[0]
+    assert (v.iteration, v.coexec_s, v.eager_s, v.chosen) == (27, 1.0, 1.35, COEXEC)
+    # Below `favoured` every block is measured, as before.
+    check = SpeedCheck(first_after=20, window=20, settle=5, interval=200)
+    modes = feed(check, {COEXEC: 1.0, EAGER: 1.2}, 20 + 3 * 15)
+    assert "".join(m[0] for m in modes) == "c" * 20 + "e" * 15 + "c" * 15 + "e" * 15
+    assert check.verdicts[0].chosen == COEXEC and check.verdicts[0].iteration == 64
+    # Not in eager's favour: co-execution 1.35x slower is measured in full (then left).
+    check = SpeedCheck(first_after=20, window=20, settle=5, interval=200)
+    modes = feed(check, {COEXEC: 1.35, EAGER: 1.0}, 20 + 3 * 15)
+    assert "".join(m[0] for m in modes) == "c" * 20 + "e" * 15 + "c" * 15 + "e" * 15
+    assert check.verdicts[0].chosen == EAGER
+    # From eager (a recheck), co-executed iterations each 1.3x faster end it as soon.
+    modes = feed(check, {COEXEC: 1.0, EAGER: 1.3}, 200 + 5 + 10 + 5 + 3, start=65)
+    # (a recheck starts in the mode the program is in, with no iterations to settle)
+    assert "".join(m[0] for m in modes[200:]) == "e" * 10 + "c" * (5 + 3) + "c" * 5, modes[200:]
+    assert check.verdicts[1].chosen == COEXEC and check.verdicts[1].iteration == 65 + 200 + 10 + 8 - 1
+    with pytest.raises(ValueError):
+        SpeedCheck(favoured=1.6)  # beyond decisive
+    with pytest.raises(ValueError):
+        SpeedCheck(favoured=1.04)  # within the margin
 
 
 def test_disabled_never_moves():
