@@ -714,12 +714,12 @@ EmittedGraph emit_program(CapturedProgram& program, std::optional<trace::Program
   throw std::logic_error("terra_torch: loops kept needing flattening");
 }
 
-void optimize_graph(std::shared_ptr<Graph>& graph) {
+void optimize_graph(std::shared_ptr<Graph>& graph, bool lint) {
   torch::jit::EliminateDeadCode(graph);
   torch::jit::ConstantPropagation(graph);
   torch::jit::EliminateCommonSubexpression(graph);
   torch::jit::EliminateDeadCode(graph);
-  graph->lint();
+  if (lint) graph->lint();
 }
 
 EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& structured, const EmitOptions& options) {
@@ -735,7 +735,7 @@ EmittedGraph emit_graph(const CapturedProgram& program, const trace::Program& st
   }
   out.stats.emit_ms = ms(t0);
   t0 = Clock::now();
-  if (options.optimize) optimize_graph(out.graph);  // lints after the passes
+  if (options.optimize) optimize_graph(out.graph, options.lint);
   else if (options.lint) out.graph->lint();
   mark_written_feeds(out);
   out.stats.optimize_ms = ms(t0);

@@ -39,7 +39,7 @@ namespace terra::emit {
 
 struct EmitOptions {
   bool optimize = true;  // run optimize_graph on the result
-  bool lint = true;      // without optimize: Graph::lint() the result (with it, always)
+  bool lint = true;      // Graph::lint() the result (after the passes, with optimize)
   // The co-execution form (docs/RUNTIME.md, "Placeholders and the output sequence"): every op
   // publishes each output (terra::publish), ops with side effects wait for Python at a
   // terra::gate first, and reads become nothing (Python takes the published values).
@@ -70,6 +70,6 @@ EmittedGraph emit_program(CapturedProgram& program, std::optional<trace::Program
 
 // The standard passes (dead-code elimination, constant propagation, common-subexpression
 // elimination) followed by lint; they respect alias analysis, so in-place ops keep their order.
-void optimize_graph(std::shared_ptr<torch::jit::Graph>& graph);
+void optimize_graph(std::shared_ptr<torch::jit::Graph>& graph, bool lint = true);
 
 }  // namespace terra::emit

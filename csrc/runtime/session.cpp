@@ -1,5 +1,7 @@
 #include "runtime/session.h"
 
+#include "common/env.h"
+
 #include "runtime/fused_executor.h"
 
 #include <torch/csrc/jit/ir/ir.h>
@@ -77,7 +79,12 @@ void Session::build() {
     runner_.reset();
   }
   const std::vector<std::vector<trace::NodeId>> before = program_.all_record_nodes();
-  emitted_ = emit::emit_program(program_, structured_, {.optimize = options_.optimize, .lint = true, .coexec = true});
+  // Graph::lint() checks the emitter's work (every value defined before its uses, blocks well
+  // formed). It was a quarter of a build's time (the demo's MLP: 71 of 291 perf samples), paid at
+  // every build a program makes while it runs: the test suite turns it on (TERRA_LINT_GRAPHS=1,
+  // test/python/conftest.py), the emitter's own tests always lint.
+  static const bool lint = common::switched_on("TERRA_LINT_GRAPHS");
+  emitted_ = emit::emit_program(program_, structured_, {.optimize = options_.optimize, .lint = lint, .coexec = true});
   if (program_.all_record_nodes() != before) remap_node_frames(before);
   fused_.reset();
   // Co-execution: a feed waits for Python, who may wait for a value before it posts the feed,

@@ -3,7 +3,14 @@ graph running) for the next one."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every generated graph is linted (Graph::lint: each value defined before its uses, blocks well
+# formed); a user's program skips it (csrc/runtime/session.cpp, Session::build). Set before any
+# graph is built: the runtime reads it once. Subprocesses the tests start inherit it.
+os.environ.setdefault("TERRA_LINT_GRAPHS", "1")
 
 
 @pytest.fixture(autouse=True)
