@@ -39,6 +39,7 @@ py::dict session_stats(Session& s) {
   d["divergences"] = p.divergences;
   d["materialized"] = p.materialized;
   d["known_reads"] = p.known_reads;
+  d["known_reads_waited"] = p.known_reads_waited;
   d["early_reads"] = p.early_reads;
   d["early_batches"] = p.early_batches;
   d["graph_iterations_run"] = g.iterations_run;

@@ -1,5 +1,7 @@
 #include "runtime/known_values.h"
 
+#include <cstring>
+
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include "capture/dense_copy.h"
@@ -60,6 +62,8 @@ bool KnownValues::fresh(const at::Tensor& t) const {
 bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph) {
   if (known_.empty() && (graph == nullptr || recipes_.empty())) return false;
   out.clear();
+  resolved_.clear();
+  recipe_runs_ = 0;
   bool any = false;
   // The known value of one tensor argument (itself for Python numbers and fresh tensors).
   auto value_of = [&](const at::Tensor& t, at::Tensor& v) {
@@ -119,64 +123,96 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
   // (First what most ops fail: an optimizer's ops write their arguments.)
   if (capture::writes_an_argument(op.schema()) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
   Recipe r;
-  // Arguments to copy (index into r.args, source), copied only once the recipe turns out to
+  // Tensors to copy (argument, list element, source), copied only once the recipe turns out to
   // need the graph for another argument: most ops whose tensors are all real end up with none.
-  c10::SmallVector<std::pair<size_t, const at::Tensor*>, 4> copies;
+  struct Copy {
+    size_t arg;
+    int32_t element;
+    at::Tensor source;  // (a list's elements are temporaries of the loop below)
+  };
+  c10::SmallVector<Copy, 4> copies;
   bool copied_writable = false;  // (such a copy is a reason for a recipe by itself)
+  bool takes_tensors = false;
+  // One tensor argument, or one element of a tensor list: false if the recipe cannot read it. A
+  // tensor it takes as it is (undefined, a wrapped Python number) goes to `as_is`.
+  auto take = [&](size_t i, int32_t element, const at::Tensor& t, bool& as_is) {
+    as_is = !t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number();
+    if (as_is) return true;
+    takes_tensors = true;
+    const int64_t n = t.numel();
+    if (n > kMaxRecipeElements || !t.is_cpu() || t.layout() != c10::kStrided) return false;  // (most ops end here)
+    if (const Known* k = n <= kMaxKnownElements ? find(t) : nullptr) {
+      copies.push_back({i, element, k->value});  // (a followed in-place op updates the known copy)
+      return true;
+    }
+    if (capture::is_placeholder(t)) {
+      if (untracked(t)) return false;
+      // (a live output at that address is `t` itself: the entry is its recipe)
+      const std::shared_ptr<const Recipe>* own = recipes_.find(t.unsafeGetTensorImpl());
+      const bool has_recipe = own != nullptr && *own && (*own)->impl && !(*own)->impl->expired();
+      if (!has_recipe && n > kMaxKnownElements) return false;
+      if (ever_written(t)) return false;
+      const std::optional<int64_t> index = link(t);
+      if (!index && !has_recipe) return false;
+      const bool held = has_recipe && (*own)->depth < kMaxRecipeDepth;
+      if (held) r.depth = std::max(r.depth, (*own)->depth + 1);
+      r.inputs.push_back({i, element, true, index.value_or(-1), t._version(), WeakImpl(t.getIntrusivePtr()), t.storage(),
+                          held ? *own : nullptr});
+      r.needs_graph |= !has_recipe;
+      return true;
+    }
+    if (untracked(t) || !memory_is_value(t)) return false;
+    // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
+    if (n <= kMaxKnownElements) {
+      copies.push_back({i, element, t});
+      return true;
+    }
+    // Read when the recipe runs, which is later: only memory that changes by ops alone (whose
+    // versions say so). Memory Python writes without an op is copied now, as the graph's feed
+    // of it is (runtime/feed_snapshot.h): read at the recipe's run, an observation buffer the
+    // environment refilled through numpy between `m = obs.max()` and `m.item()` gave the new
+    // maximum.
+    if (python_writable_memory(t)) {
+      copies.push_back({i, element, t});
+      copied_writable = true;
+      return true;
+    }
+    r.inputs.push_back({i, element, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
+    return true;
+  };
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& a = args[i];
-    if (a.isTensorList() || a.isOptionalTensorList()) return;
+    if (a.isOptionalTensorList()) return;
+    bool as_is = false;
+    if (a.isTensorList()) {
+      // (`cat` of values with recipes: each element is an input of its own)
+      const std::vector<at::Tensor> elements = a.toTensorList().vec();
+      c10::List<at::Tensor> list;
+      list.reserve(elements.size());
+      for (size_t e = 0; e < elements.size(); ++e) {
+        if (!take(i, static_cast<int32_t>(e), elements[e], as_is)) return;
+        list.push_back(as_is ? elements[e] : at::Tensor());  // (filled in when the recipe runs)
+      }
+      r.args.emplace_back(std::move(list));
+      continue;
+    }
     if (!a.isTensor()) {
       r.args.push_back(a);
       continue;
     }
-    const at::Tensor& t = a.toTensor();
-    if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) {
-      r.args.push_back(a);
-      continue;
-    }
-    const int64_t n = t.numel();
-    if (n > kMaxRecipeElements || !t.is_cpu() || t.layout() != c10::kStrided) return;  // (most ops end here)
-    if (const Known* k = n <= kMaxKnownElements ? find(t) : nullptr) {
-      copies.emplace_back(r.args.size(), &k->value);  // (a followed in-place op updates the known copy)
-      r.args.emplace_back();
-      continue;
-    }
-    if (capture::is_placeholder(t)) {
-      if (untracked(t)) return;
-      const bool has_recipe = recipes_.find(t.unsafeGetTensorImpl()) != nullptr;
-      if (!has_recipe && n > kMaxKnownElements) return;
-      if (ever_written(t)) return;
-      const std::optional<int64_t> index = link(t);
-      if (!index && !has_recipe) return;
-      r.inputs.push_back({i, true, index.value_or(-1), t._version(), WeakImpl(t.getIntrusivePtr()), t.storage()});
-      r.needs_graph |= !has_recipe;
-    } else if (!untracked(t) && memory_is_value(t)) {
-      // A real tensor no op wrote: its memory is its value (the batch `x` of `x.abs().max()`).
-      if (n <= kMaxKnownElements) {
-        copies.emplace_back(r.args.size(), &t);
-        r.args.emplace_back();
-        continue;
-      }
-      // Read when the recipe runs, which is later: only memory that changes by ops alone (whose
-      // versions say so). Memory Python writes without an op is copied now, as the graph's feed
-      // of it is (runtime/feed_snapshot.h): read at the recipe's run, an observation buffer the
-      // environment refilled through numpy between `m = obs.max()` and `m.item()` gave the new
-      // maximum.
-      if (python_writable_memory(t)) {
-        copies.emplace_back(r.args.size(), &t);
-        r.args.emplace_back();
-        copied_writable = true;
-        continue;
-      }
-      r.inputs.push_back({i, false, -1, t._version(), WeakImpl(t.getIntrusivePtr()), c10::Storage()});
-    } else {
-      return;
-    }
-    r.args.emplace_back();  // (filled in when the recipe runs)
+    if (!take(i, -1, a.toTensor(), as_is)) return;
+    if (as_is) r.args.push_back(a);
+    else r.args.emplace_back();  // (filled in when the recipe runs)
   }
-  if (r.inputs.empty() && !copied_writable) return;
-  for (const auto& [slot, source] : copies) r.args[slot] = copy_of(*source);
+  // An op that takes no tensor at all (`arange`, `zeros`, `full`) computes its value from the
+  // numbers alone, on the Python thread as well as in the graph; `empty` and its kin leave memory
+  // unwritten, which no recipe may stand for.
+  const bool from_numbers = !takes_tensors && std::strstr(op.schema().name().c_str(), "empty") == nullptr;
+  if (r.inputs.empty() && !copied_writable && !from_numbers) return;
+  for (const Copy& c : copies) {
+    if (c.element < 0) r.args[c.arg] = copy_of(c.source);
+    else r.args[c.arg].toTensorList().set(static_cast<size_t>(c.element), copy_of(c.source));
+  }
   r.op = op;
   planned_ = std::move(r);
 }
@@ -192,7 +228,7 @@ void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
     return;
   r.impl.emplace(out.getIntrusivePtr());
   r.version = out._version();
-  *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::move(r);
+  *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::make_shared<const Recipe>(std::move(r));
 }
 
 void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
@@ -209,17 +245,29 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
     v = k->value;
     return true;
   }
-  if (depth >= kMaxRecipeDepth) return false;
-  const Recipe* found = recipes_.find(t.unsafeGetTensorImpl());
+  const std::shared_ptr<const Recipe>* found = recipes_.find(t.unsafeGetTensorImpl());
   // A recipe gives the value its op computed: still `t`'s only while nothing wrote `t` since.
   // (Keyed by address: a live `impl` is `t` itself.)
-  if (found == nullptr || !found->impl || found->impl->expired() || found->version != t._version() || ever_written(t))
-    return false;
-  // (Copied: the recursion below may add to known_, and resolving may wait for the graph.)
-  const c10::OperatorHandle op = *found->op;
-  torch::jit::Stack stack = found->args;
-  const c10::SmallVector<RecipeInput, 2> inputs = found->inputs;
-  for (const RecipeInput& in : inputs) {
+  if (found == nullptr || !*found) return false;
+  const std::shared_ptr<const Recipe> recipe = *found;  // (the recursion may prune the table)
+  if (!recipe->impl || recipe->impl->expired() || recipe->version != t._version() || ever_written(t)) return false;
+  if (!run_recipe(*recipe, v, graph, depth)) return false;
+  learn_value(t, v);
+  return true;
+}
+
+bool KnownValues::run_recipe(const Recipe& r, at::Tensor& v, const GraphValues& graph, int depth) {
+  for (const auto& [done, value] : resolved_)
+    if (done == &r) {
+      v = value;
+      return true;
+    }
+  if (depth >= kMaxRecipeDepth || recipe_runs_ >= kMaxRecipeRuns) return false;
+  torch::jit::Stack stack = r.args;
+  // (a list is shared by its copies: the recipe's own stays as planned)
+  for (c10::IValue& a : stack)
+    if (a.isTensorList()) a = a.toTensorList().copy();
+  for (const RecipeInput& in : r.inputs) {
     at::Tensor p;
     if (auto impl = in.impl->lock()) p = at::Tensor(std::move(impl));
     // The tensor's value now is the one the op read if nothing has written it since. A placeholder
@@ -238,27 +286,34 @@ bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues&
       // published over memory the optimizer updates later. Read after the step, the value of
       // `loss` came out of the new weight and the old bias (a known copy). The read waits.
       return false;
-    } else if (!p.defined() || !resolve(p, value, graph, depth + 1)) {
+    } else if (const Known* k = p.defined() ? find(p) : nullptr) {
+      value = k->value;
+    } else if (in.recipe ? run_recipe(*in.recipe, value, graph, depth + 1)
+                         : p.defined() && resolve(p, value, graph, depth + 1)) {
+      if (p.defined()) learn_value(p, value);
+    } else {
       if (in.index < 0) return false;
       std::optional<at::Tensor> got = graph.published(in.index);
       if (!got) return false;
       value = *got;
       if (p.defined()) learn_value(p, value);
     }
-    stack[in.arg] = value;
+    if (in.element < 0) stack[in.arg] = value;
+    else stack[in.arg].toTensorList().set(static_cast<size_t>(in.element), value);
   }
+  ++recipe_runs_;
   {
     capture::SuspendGuard no_interception;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // not an op of the user's program
     try {
-      if (!run_scalar_arithmetic(op, stack)) op.callBoxed(&stack);
+      if (!run_scalar_arithmetic(*r.op, stack)) r.op->callBoxed(&stack);
     } catch (const std::exception&) {
       return false;  // the graph raises where eager would; the read waits for it
     }
   }
   if (stack.size() != 1 || !stack[0].isTensor()) return false;
   v = stack[0].toTensor();
-  learn_value(t, v);
+  resolved_.emplace_back(&r, v);
   return true;
 }
 
@@ -370,7 +425,9 @@ void KnownValues::prune() {
     pruned_known_ = known_.size();
   }
   if (crowded(recipes_, pruned_recipes_)) {
-    recipes_.erase_if([](const c10::TensorImpl*, const Recipe& r) { return !r.impl || r.impl->expired(); });
+    recipes_.erase_if([](const c10::TensorImpl*, const std::shared_ptr<const Recipe>& r) {
+      return !r || !r->impl || r->impl->expired();
+    });
     pruned_recipes_ = recipes_.size();
   }
   if (written_.size() > 2 * pruned_written_ + kWrittenPruneSlack) {

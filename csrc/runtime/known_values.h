@@ -46,6 +46,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -157,13 +158,18 @@ class KnownValues {
   // no op has written (`index` -1), read from its memory. The recipe holds a placeholder's
   // storage, not the tensor: the value table keeps a dataless placeholder's value while its
   // storage lives, and the tensor would keep its autograd graph (the activations) alive.
+  struct Recipe;
   struct RecipeInput {
     size_t arg = 0;
+    int32_t element = -1;  // the element of a tensor-list argument (`cat`); -1: the argument itself
     bool placeholder = true;
     int64_t index = -1;
     int64_t version = 0;  // the tensor's version when the op read it
     std::optional<WeakImpl> impl;
     c10::Storage storage;
+    // The placeholder's own recipe, if it had one: held here, it runs after the placeholder died
+    // (the temporaries of `(torch.arange(n) + k).unsqueeze(0)`, each read by the next op only).
+    std::shared_ptr<const Recipe> recipe;
   };
   struct Recipe {
     std::optional<c10::OperatorHandle> op;
@@ -172,16 +178,29 @@ class KnownValues {
     std::optional<WeakImpl> impl;  // the output
     int64_t version = 0;
     bool needs_graph = false;  // some placeholder input has no recipe
+    // The longest chain of recipes its inputs hold (RecipeInput::recipe), itself included: a
+    // running average `avg = 0.9 * avg + 0.1 * loss` would chain every iteration's recipe.
+    int depth = 1;
   };
   // Depth of recipes run for one read (a recipe's placeholder may have a recipe of its own), and
   // the most elements a recipe's tensors have. A recipe whose value needs nothing from the graph
   // (`x.abs().max()` of a batch) may have an output this large; one that waits for the graph only
   // a small one (kMaxKnownElements).
-  static constexpr int kMaxRecipeDepth = 4;
+  // HuggingFace's masking code reads `(packed_sequence_mask[:, -1] == 0).all()` at the end of
+  // 14 ops that start from `arange` (transformers/masking_utils.py, find_packed_sequence_indices):
+  // every decoder forward without an attention mask. kMaxRecipeRuns bounds the ops one read may
+  // run (a value two recipes read is run once per read: `resolved_`).
+  static constexpr int kMaxRecipeDepth = 24;
+  static constexpr int kMaxRecipeRuns = 64;
   static constexpr int64_t kMaxRecipeElements = 4096;
   // `t`'s value from a recipe (placeholder inputs: known, their own recipe, or the graph's);
   // learned when found.
   bool resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth);
+  // The value recipe `r` computes, its inputs still as they were when its op ran.
+  bool run_recipe(const Recipe& r, at::Tensor& v, const GraphValues& graph, int depth);
+  // The values run_recipe() computed during one read (cleared by substitute()), and the count.
+  std::vector<std::pair<const Recipe*, at::Tensor>> resolved_;
+  int recipe_runs_ = 0;
   void learn_value(const at::Tensor& t, const at::Tensor& v);
   static bool small_cpu(const at::Tensor& t);
   static at::Tensor copy_of(const at::Tensor& t);  // a private copy, made below autograd
@@ -207,7 +226,7 @@ class KnownValues {
   // Written storages over memory Python writes without an op, which another storage may share.
   WrittenMemory written_memory_;
   std::vector<const c10::TensorImpl*> unsettled_;
-  common::FlatMap<const c10::TensorImpl*, Recipe> recipes_;  // by output
+  common::FlatMap<const c10::TensorImpl*, std::shared_ptr<const Recipe>> recipes_;  // by output
   std::optional<Recipe> planned_;  // between plan_recipe and keep_recipe
   bool written_overflow_ = false;
   size_t pruned_known_ = 0, pruned_recipes_ = 0, pruned_written_ = 0;  // sizes after the last prune()

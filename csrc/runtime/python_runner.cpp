@@ -229,13 +229,16 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
                                         torch::jit::Stack& out) {
   if (!known_values_answer(op)) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
-  auto published = [this](int64_t index) -> std::optional<at::Tensor> {
+  bool waited = false;
+  auto published = [this, &waited](int64_t index) -> std::optional<at::Tensor> {
+    waited = true;
     wait_for_graph(index + 1);
     return values_->value(index);
   };
   const KnownValues::GraphValues graph{link, published};
   if (!known_.substitute(args, out, &graph)) return false;
   ++stats_.known_reads;
+  stats_.known_reads_waited += waited ? 1 : 0;
   return true;
 }
 

@@ -149,6 +149,45 @@ def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
     assert runner["known_reads"] >= STEPS - 2 * WARMUP, runner
 
 
+def test_a_check_on_positions_made_from_arange_runs_on_the_python_side():
+    """HuggingFace decoders called without an attention mask check for packed sequences in every
+    forward (transformers/masking_utils.py, find_packed_sequence_indices): 14 ops from `arange`
+    through slices, `cat` and `cumsum` to `(mask[:, -1] == 0).all()`. Every value comes from the
+    numbers alone, so the read runs those ops' recipes on the Python side instead of waiting for
+    the previous iteration's backward and step; its answer decides which layer runs."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x, past: int):
+            position_ids = (torch.arange(x.shape[0]) + past).unsqueeze(0).expand(2, -1)
+            first = position_ids[:, :1] - 1
+            diff = torch.diff(position_ids, prepend=first, dim=-1)
+            packed = (diff != 1).cumsum(-1)
+            h = self.a(x) if (packed[:, -1] == 0).all() else self.b(x)
+            return self.out(torch.relu(h))
+
+    def step(model, opt, state, i):
+        x = DATA[i % 6]
+        loss = F.cross_entropy(model(x, i % 3), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["log"].append(loss.detach())
+
+    def make_positions():
+        torch.manual_seed(0)
+        model = Positions()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    runner = check(step, make_positions)
+    # One read per iteration, answered on the Python side in every co-executed one: with recipes
+    # at most 4 deep and none for `arange` or `cat`, it waited for `select`'s value from the graph.
+    assert runner["known_reads"] >= STEPS - 2 * WARMUP and runner["known_reads_waited"] <= 2, runner
+
+
 def test_a_recipe_reads_its_inputs_as_they_were_when_the_op_ran():
     """The op's inputs change after it ran and before the read: its placeholder input is
     written in place (the read waits for the graph: the value at its index is the tensor the
