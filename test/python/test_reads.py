@@ -36,6 +36,17 @@ def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
 Make = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
 
 
+def with_sgd(module: Callable[[], nn.Module]) -> Make:
+    """A maker of `module()` (seeded) and plain SGD over its parameters."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = module()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    return make
+
+
 def run(step: Callable[..., Any], terra: bool, make: Make) -> tuple[list[Any], list[torch.Tensor], Any]:
     model, opt = make()
     state: dict[str, Any] = {"avg": torch.tensor(1.4), "log": []}
@@ -50,7 +61,8 @@ def run(step: Callable[..., Any], terra: bool, make: Make) -> tuple[list[Any], l
     return log, [p.detach().clone() for p in model.parameters()], stats
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, i: int) -> torch.Tensor:
+def train_step(model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer, x: torch.Tensor,
+               i: int) -> torch.Tensor:
     """Forward, zero_grad, backward, step; returns the loss."""
     loss = F.cross_entropy(model(x), LABELS[i % 6])
     opt.zero_grad()
@@ -140,12 +152,7 @@ def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
         loss = train_step(model, opt, x, i)
         state["log"].append(loss.detach())
 
-    def make_two_path():
-        torch.manual_seed(0)
-        model = TwoPath()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-    runner = check(step, make_two_path)
+    runner = check(step, with_sgd(TwoPath))
     assert runner["known_reads"] >= STEPS - 2 * WARMUP, runner
 
 
@@ -170,19 +177,10 @@ def test_a_check_on_positions_made_from_arange_runs_on_the_python_side():
             return self.out(torch.relu(h))
 
     def step(model, opt, state, i):
-        x = DATA[i % 6]
-        loss = F.cross_entropy(model(x, i % 3), LABELS[i % 6])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(lambda x: model(x, i % 3), opt, DATA[i % 6], i)
         state["log"].append(loss.detach())
 
-    def make_positions():
-        torch.manual_seed(0)
-        model = Positions()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-    runner = check(step, make_positions)
+    runner = check(step, with_sgd(Positions))
     # One read per iteration, answered on the Python side in every co-executed one: with recipes
     # at most 4 deep and none for `arange` or `cat`, it waited for `select`'s value from the graph.
     assert runner["known_reads"] >= STEPS - 2 * WARMUP and runner["known_reads_waited"] <= 2, runner
