@@ -36,9 +36,13 @@ def _is_backward_jump(opname: str) -> bool:
 _BACKWARD_JUMP_OPCODES = frozenset(op for name, op in dis.opmap.items() if _is_backward_jump(name))
 
 
+def _may_loop(code: CodeType) -> bool:
+    return not _BACKWARD_JUMP_OPCODES.isdisjoint(code.co_code[0::2])
+
+
 def loop_ranges(code: CodeType, instructions: list[dis.Instruction] | None = None) -> list[tuple[int, int]]:
     """(loop head offset, backward jump offset) for each loop of `code`, sorted by head."""
-    if _BACKWARD_JUMP_OPCODES.isdisjoint(code.co_code[0::2]):
+    if not _may_loop(code):
         return []
     ends: dict[int, int] = {}  # `continue` adds more backward jumps to the same head
     for instr in instructions if instructions is not None else dis.get_instructions(code):
@@ -134,7 +138,6 @@ def code_identity(code: CodeType) -> int:
 def code_facts(code: CodeType) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
     """What the location tracker caches per code object: its loops, its guarded ranges and its
     identity."""
-    needs_instructions = not _BACKWARD_JUMP_OPCODES.isdisjoint(code.co_code[0::2]) and not code.co_filename.startswith(
-        _LIBRARY_DIRS)
-    instructions = list(dis.get_instructions(code)) if needs_instructions else None  # (walked once for both)
+    both = _may_loop(code) and not code.co_filename.startswith(_LIBRARY_DIRS)  # (then walked once for both)
+    instructions = list(dis.get_instructions(code)) if both else None
     return loop_ranges(code, instructions), guarded_ranges(code, instructions), code_identity(code)
