@@ -97,6 +97,27 @@ def test_merged_run_keeps_each_cells_own_baseline(monkeypatch):
     assert report.ratio(doc, "mlp", "terra") == pytest.approx(0.5)
 
 
+def test_a_merged_cell_keeps_the_verdict_of_its_own_run():
+    """Correctness, like speed, is judged within one run: a later run's eager (here with other
+    bits, as another host's MKL gives) must not turn an earlier bitwise cell into a MISMATCH,
+    while a cell of the later run is judged against it."""
+    def losses(*values: float) -> dict[str, Any]:
+        return {"status": "ok", "losses": list(values), "digest": [1.0]}
+
+    cells = {"eager": {**losses(1.0, 0.5), "run_id": "A", "rerun": losses(1.0, 0.5)},
+             "terra": {**losses(1.0, 0.5), "run_id": "A"}}
+    doc = _doc(cells, ["A"])
+    bench_run.attach_correctness(doc, "A")
+    assert cells["terra"]["correctness"]["verdict"] == "bitwise"
+    cells["eager"] = {**losses(1.0, 0.5000001), "run_id": "B", "rerun": losses(1.0, 0.5000001)}
+    cells["terra-lazy"] = {**losses(1.0, 0.5), "run_id": "B"}
+    bench_run.attach_correctness(doc, "B")
+    assert cells["terra"]["correctness"]["verdict"] == "bitwise"  # (run A's verdict)
+    assert cells["terra-lazy"]["correctness"]["verdict"] == "MISMATCH"  # (against run B's eager)
+    bench_run.attach_correctness(doc)  # (without a run: everything against the eager cell)
+    assert cells["terra"]["correctness"]["verdict"] == "MISMATCH"
+
+
 def test_no_ratio_without_a_same_run_eager():
     cells = {"eager": {"status": "ok", "steps_per_s": 100.0, "run_id": "B",
                        "baselines": {"B": {"steps_per_s": 100.0}}},
