@@ -17,7 +17,9 @@ policies, not the check's choice; `terra:TERRA_AB_SPEED_CHECK=1` keeps it on (wi
 a user's run of `--steps` steps costs, tracing and the check's turns included; the child reports
 the share of co-executed iterations), and `TERRA_AB_COEXEC_SETTLE=auto` beside it lets co-executed
 blocks settle for 50 ms like eager ones (terra_torch/_speed.py). A program marked TERRA_ITERATION = "step" is wrapped with
-terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does. Each child
+terra_torch.function, the others with terra_torch.wrap, as the benchmark harness does.
+`terra:TERRA_AB_PHASE=eager` times the wrapped program's eager iterations (`run_eagerly` after the
+warm-up, as after a speed check that chose eager) against plain eager's. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
 times `--steps` steps and prints one JSON line. `--threads N` sets torch's intra-op threads in
 every child (1 by default; torch's own default is one per core). `terra:TERRA_AB_ROOT=/path` runs that
@@ -81,6 +83,9 @@ if optimize:  # run on until no segment waits for the compiler (as the harness's
     compile_wait_s = time.perf_counter() - t0
 if runner == "terra":
     terra_torch.synchronize()
+if os.environ.get("TERRA_AB_PHASE") == "eager":  # (the wrapped program's eager iterations)
+    for w in wrapped:
+        w._terra_program.run_eagerly("step_ab: TERRA_AB_PHASE=eager")
 t0, c0 = time.perf_counter(), time.thread_time()
 for i in range(warmup, warmup + steps):
     step(state, i)

@@ -727,15 +727,12 @@ def synchronize_all() -> None:
 _transform_logged: set[str] = set()
 
 
-def _functorch_transforms_active() -> bool:
-    """Whether a torch.func transform runs: its dispatch keys are in this thread's TLS. Read
-    without touching functorch's own TLS: `peek_interpreter_stack()` creates it, and from then on
-    every ThreadLocalState capture (each backward, each `at::launch`) deep-copies it, ~5.5k
-    instructions per training step of `branches` (callgrind) that eager never pays."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if active is None:  # (a torch without it)
-        return torch._C._functorch.peek_interpreter_stack() is not None
-    return bool(active())
+# Whether a torch.func transform runs: its dispatch keys are in this thread's TLS. Read without
+# touching functorch's own TLS: `peek_interpreter_stack()` creates it, and from then on every
+# ThreadLocalState capture (each backward, each `at::launch`) deep-copies it, which eager never
+# pays (`python -m benchmarks.step_ab --variants eager,terra:TERRA_AB_PHASE=eager`, docs/BENCHMARKS.md).
+_functorch_transforms_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def stepped_aside_for_transform(name: str) -> bool:

@@ -185,13 +185,15 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
     if (a.isOptionalTensorList()) return;
     bool as_is = false;
     if (a.isTensorList()) {
-      // (`cat` of values with recipes: each element is an input of its own)
-      const std::vector<at::Tensor> elements = a.toTensorList().vec();
+      // (`cat` of values with recipes: each element is an input of its own; read in place, as a
+      // foreach op's list of every parameter mostly ends at its first element)
+      const c10::ArrayRef<c10::IValue> elements = a.toListRef();
       c10::List<at::Tensor> list;
       list.reserve(elements.size());
       for (size_t e = 0; e < elements.size(); ++e) {
-        if (!take(i, static_cast<int32_t>(e), elements[e], as_is)) return;
-        list.push_back(as_is ? elements[e] : at::Tensor());  // (filled in when the recipe runs)
+        const at::Tensor& t = elements[e].toTensor();
+        if (!take(i, static_cast<int32_t>(e), t, as_is)) return;
+        list.push_back(as_is ? t : at::Tensor());  // (filled in when the recipe runs)
       }
       r.args.emplace_back(std::move(list));
       continue;
