@@ -1,6 +1,7 @@
 // Python bindings of one co-executed program (runtime/session.h): _C.runtime.Session, which
 // terra_torch/runtime.py drives through the phases. Blocking calls release the GIL inside the
 // runtime (PythonRunner waits), so nothing here holds it across a wait.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -61,6 +62,11 @@ py::dict session_stats(Session& s) {
   d["backward_recorded"] = b.recorded;
   d["backward_per_op"] = b.per_op;
   d["backward_reason"] = b.reason;
+  const runtime::PythonRunner::CallStats& c2 = s.runner().call_stats();
+  d["calls_replayed"] = c2.replayed;
+  d["calls_recorded"] = c2.recorded;
+  d["calls_per_op"] = c2.per_op;
+  d["calls_reason"] = c2.reason;
   if (const emit::EmittedGraph* e = s.emitted()) {
     // Reads where the graph picks the producer Python read, and ops checked before it runs them.
     d["selected_reads"] = e->num_selections;
@@ -163,6 +169,41 @@ void init_session(py::module_& m) {
             if (s.has_runner()) s.runner().end_backward(region, completed);
           },
           py::arg("region"), py::arg("completed"))
+      .def(
+          "call_begin",
+          [](Session& s, capture::Region& region, int64_t key, const std::vector<std::optional<at::Tensor>>& arguments)
+              -> py::tuple {
+            if (!s.has_runner()) return py::make_tuple("per_op", py::none());
+            std::vector<at::Tensor> tensors;
+            tensors.reserve(arguments.size());
+            for (const auto& t : arguments) tensors.push_back(t.value_or(at::Tensor()));
+            runtime::PythonRunner::CallPath path;
+            at::Tensor result;
+            {
+              py::gil_scoped_release no_gil;  // posts and value-table locks, as on the per-op path
+              path = s.runner().begin_call(region, key, tensors, result);
+            }
+            switch (path) {
+              case runtime::PythonRunner::CallPath::kReplayed:
+                return py::make_tuple("replayed", result.defined() ? py::cast(result) : py::none());
+              case runtime::PythonRunner::CallPath::kRecording:
+                return py::make_tuple("recording", py::none());
+              default:
+                return py::make_tuple("per_op", py::none());
+            }
+          },
+          py::arg("region"), py::arg("key"), py::arg("arguments"),
+          "A keyed call in co-execution, an optimizer's step() (csrc/runtime/call_replay.h): ('replayed', "
+          "what it returns; do not run it), ('recording', None) or ('per_op', None) (run it, then call_end)")
+      .def(
+          "call_end",
+          [](Session& s, capture::Region& region, bool completed, bool replayable, py::object result) {
+            if (!s.has_runner()) return false;
+            at::Tensor t;
+            if (THPVariable_Check(result.ptr())) t = THPVariable_Unpack(result.ptr());
+            return s.runner().end_call(region, completed, replayable, t);
+          },
+          py::arg("region"), py::arg("completed"), py::arg("replayable"), py::arg("result") = py::none())
       .def("divergence",
            [](Session& s) -> py::object {
              if (!s.has_runner() || !s.runner().diverged()) return py::none();

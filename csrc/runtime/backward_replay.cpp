@@ -180,6 +180,7 @@ PythonRunner::BackwardPath PythonRunner::begin_backward(capture::Region& region,
   recording_.reset();
   if (!in_iteration_ || diverged_ || region.mode() != capture::Mode::CoExec)
     return BackwardPath::kPerOp;  // not co-executing: the engine runs as in eager (not counted)
+  call_not_replayable("the call runs a backward()");
   if (call.create_graph) return per_op("backward(create_graph=True)");
   if (call.has_inputs) return per_op("backward(inputs=...)");
   if (!call.accumulate_grad) return per_op("torch.autograd.grad");

@@ -152,6 +152,7 @@ PythonRunner::Verdict PythonRunner::validate(const capture::Region& region, cons
 
   if (emitted && checks.gated) plan_.push_back(gate(node));
   if (recording_) record_step(region, key, node, host || needs_data);
+  if (call_recording_) record_call_step(region, key, node, host || needs_data);
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
   for (Post& p : plan_) post(std::move(p));
   note_run(index, node, here, num_outputs);

@@ -110,6 +110,7 @@ void PythonRunner::begin_iteration() {
   cursor_.reset();
   path_ = 0;
   recording_.reset();
+  call_recording_.reset();
   record_nodes_.clear();
   record_copies_.clear();
   latest_.clear();
@@ -158,6 +159,7 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
   // values.
   ++stats_.reads;
   if (recording_) not_replayable("the backward reads data");
+  if (call_recording_) call_not_replayable("the call reads data");
   flush();  // (all of it: the graph goes on with the rest while Python reads)
   const int64_t all = values_->expected();
   const int64_t horizon = read_horizon(args);
@@ -267,6 +269,7 @@ void PythonRunner::outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
 
 void PythonRunner::claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
   known_.keep_recipe(outputs);
+  if (call_recording_) note_call_outputs(index, outputs);
   const trace::NodeId node = record_nodes_.at(index);
   const uint32_t count = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
   if (count == 0) return;
@@ -307,6 +310,7 @@ void PythonRunner::note_latest(int64_t tag, uint64_t copy, const at::Tensor& t) 
 bool PythonRunner::check_first(const capture::OpRecord& rec) {
   const bool check = !diverged_ && program_.is_check(rec.location, rec.op);
   if (check && recording_) not_replayable("an op of the backward is checked before the graph runs it");
+  if (check && call_recording_) call_not_replayable("an op of the call is checked before the graph runs it");
   return check;
 }
 

@@ -24,6 +24,7 @@
 
 #include "capture/coexec_hook.h"
 #include "runtime/backward_replay.h"
+#include "runtime/call_replay.h"
 #include "emit/captured_program.h"
 #include "emit/emitted_graph.h"
 #include "runtime/feed_snapshot.h"
@@ -127,6 +128,30 @@ class PythonRunner final : public capture::CoExecHook {
     std::string reason;
   };
   const BackwardStats& backward_stats() const { return backward_stats_; }
+
+  // ---- an optimizer's step() (runtime/call_replay.h; Python thread) ----
+  enum class CallPath {
+    kPerOp,      // run it; nothing to do afterwards (end_call is harmless)
+    kRecording,  // run it, then end_call(): it becomes a memo if it qualifies
+    kReplayed,   // done: the Python function must not run
+  };
+  // `caller_key`: equal only where the function would issue the same ops with the same Python
+  // numbers for these `arguments` (undefined: None). Replayed, `result` is what the call
+  // returns (undefined: None).
+  CallPath begin_call(capture::Region& region, int64_t caller_key, const std::vector<at::Tensor>& arguments,
+                      at::Tensor& result);
+  // After the function returned `result` (undefined: None, or not a tensor) (`completed`) or
+  // raised; `replayable` false: the caller saw it change Python state a replay would not (a
+  // momentum buffer made).
+  // Returns whether the call was kept as a memo.
+  bool end_call(capture::Region& region, bool completed, bool replayable, const at::Tensor& result);
+  struct CallStats {
+    int64_t replayed = 0;
+    int64_t recorded = 0;
+    int64_t per_op = 0;
+    std::string reason;
+  };
+  const CallStats& call_stats() const { return call_stats_; }
 
   PythonRunnerStats stats() const { return stats_; }
   RunnerStats graph_stats() const { return runner_->stats(); }
@@ -235,6 +260,12 @@ class PythonRunner final : public capture::CoExecHook {
   void not_replayable(std::string why);
   void record_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
   void replay(capture::Region& region, const BackwardMemo& memo, const AutogradReach& reach, const BackwardCall& call);
+  // call_replay.cpp
+  CallPath call_per_op(std::string why);
+  void call_not_replayable(std::string why);
+  void record_call_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
+  void note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
+  at::Tensor replay_call(capture::Region& region, const CallMemo& memo, const std::vector<at::Tensor>& arguments);
 
   emit::CapturedProgram& program_;
   const std::vector<std::vector<std::string>>* node_frames_;
@@ -313,6 +344,10 @@ class PythonRunner final : public capture::CoExecHook {
   AutogradReach reach_;  // scratch of begin_backward (reach_into)
   std::vector<BackwardMemo> memos_;
   BackwardStats backward_stats_;
+  // step(): the call being recorded, and the memos of this graph.
+  std::unique_ptr<CallRecording> call_recording_;
+  std::vector<CallMemo> call_memos_;
+  CallStats call_stats_;
   KnownValues known_;
   // An admitted op whose arguments Python knew (admit -> outputs, which follows them to the op's
   // outputs): its record and operator. Its known values are in known_args_, the tensors it writes

@@ -1,0 +1,362 @@
+// An optimizer's step() in co-execution: its recording and its replay (runtime/call_replay.h).
+// Like the backward replay (backward_replay.cpp), the replay is the PythonRunner's: it steps the
+// cursor, posts and claims value-table indices as validate() and claim_outputs() would for the
+// same ops, so its half lives here as PythonRunner members.
+#include "runtime/call_replay.h"
+
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+
+#include "capture/placeholder.h"
+#include "capture/region.h"
+#include "capture/terra_key.h"
+#include "emit/emitted_graph.h"
+#include "runtime/feed_snapshot.h"
+#include "runtime/python_runner.h"
+#include "runtime/runner_helpers.h"
+#include "trace/hash.h"
+
+namespace terra::runtime {
+
+namespace {
+
+bool same_ref(const capture::ValueRef& a, const capture::ValueRef& b) {
+  return a.record == b.record && a.output == b.output && a.external == b.external;
+}
+
+CallArgument argument_key(capture::Region& region, const at::Tensor& t) {
+  CallArgument a;
+  if (!t.defined()) return a;
+  if (std::optional<capture::ValueRef> ref = region.produced(t)) {
+    a.kind = CallArgument::Kind::kProduced;
+    a.ref = *ref;
+    return a;
+  }
+  a.kind = CallArgument::Kind::kTensor;
+  return a;
+}
+
+bool same_argument(const CallArgument& memo, const CallArgument& now, const at::Tensor& t) {
+  if (memo.kind != now.kind) return false;
+  switch (memo.kind) {
+    case CallArgument::Kind::kNone:
+      return true;
+    case CallArgument::Kind::kProduced:
+      return same_ref(memo.ref, now.ref);
+    case CallArgument::Kind::kTensor:
+      return memo.impl && !memo.impl->expired() && memo.impl->_unsafe_get_target() == t.unsafeGetTensorImpl();
+  }
+  return false;
+}
+
+int32_t argument_holding(const std::vector<at::Tensor>& arguments, const c10::TensorImpl* impl) {
+  for (size_t j = 0; j < arguments.size(); ++j)
+    if (arguments[j].defined() && arguments[j].unsafeGetTensorImpl() == impl) return static_cast<int32_t>(j);
+  return -1;
+}
+
+}  // namespace
+
+PythonRunner::CallPath PythonRunner::call_per_op(std::string why) {
+  ++call_stats_.per_op;
+  call_stats_.reason = std::move(why);
+  return CallPath::kPerOp;
+}
+
+void PythonRunner::call_not_replayable(std::string why) {
+  if (call_recording_ && call_recording_->ineligible.empty()) call_recording_->ineligible = std::move(why);
+}
+
+PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t caller_key,
+                                                const std::vector<at::Tensor>& arguments, at::Tensor& result) {
+  call_recording_.reset();
+  if (!in_iteration_ || diverged_ || region.mode() != capture::Mode::CoExec)
+    return CallPath::kPerOp;  // not co-executing: the call runs as in eager (not counted)
+  if (recording_) return call_per_op("called inside a backward() being recorded");
+  CallMemo key;
+  key.path = path_;
+  key.records_before = region.trace().ops.size();
+  key.externals_before = region.trace().externals.size();
+  key.caller_key = caller_key;
+  key.arguments.reserve(arguments.size());
+  for (const at::Tensor& t : arguments) key.arguments.push_back(argument_key(region, t));
+
+  std::vector<const c10::TensorImpl*> fresh;  // (scratch of matches)
+  auto matches = [&](const CallMemo& m) {
+    if (m.path != key.path || m.caller_key != key.caller_key || m.records_before != key.records_before ||
+        m.externals_before != key.externals_before || m.arguments.size() != key.arguments.size())
+      return false;
+    for (size_t j = 0; j < m.arguments.size(); ++j)
+      if (!same_argument(m.arguments[j], key.arguments[j], arguments[j])) return false;
+    // The externals read before the call are the tensors the recorded ops read there (the same
+    // parameter object: a program that gave the model a new one reads another external there).
+    const auto& externals = region.external_tensors();
+    fresh.clear();
+    for (const CallExternal& e : m.externals_read) {
+      if (static_cast<size_t>(e.external) >= m.externals_before) {
+        if (e.argument >= 0) fresh.push_back(arguments[e.argument].unsafeGetTensorImpl());
+      } else if (e.argument < 0 ||
+                 externals.at(e.external).unsafeGetTensorImpl() != arguments[e.argument].unsafeGetTensorImpl()) {
+        return false;
+      }
+    }
+    // And the arguments the recorded call read first are not read yet in this iteration (another
+    // tensor stood where one of them stands now): the replay makes them externals in its order.
+    if (fresh.empty()) return true;
+    std::sort(fresh.begin(), fresh.end());
+    for (const at::Tensor& t : externals)
+      if (std::binary_search(fresh.begin(), fresh.end(), t.unsafeGetTensorImpl())) return false;
+    return true;
+  };
+  for (const CallMemo& m : call_memos_) {
+    if (!matches(m)) continue;
+    result = replay_call(region, m, arguments);
+    ++call_stats_.replayed;
+    return CallPath::kReplayed;
+  }
+
+  // Not seen yet: the ops run one by one and validate() records every step.
+  auto rec = std::make_unique<CallRecording>();
+  for (size_t j = 0; j < arguments.size(); ++j)
+    if (key.arguments[j].kind == CallArgument::Kind::kTensor) key.arguments[j].impl.emplace(arguments[j].getIntrusivePtr());
+  rec->memo = std::move(key);
+  rec->arguments = arguments;
+  for (const at::Tensor& t : arguments) rec->versions_before.push_back(t.defined() ? t._version() : 0);
+  rec->sequence_before = at::sequence_number::peek();
+  call_recording_ = std::move(rec);
+  return CallPath::kRecording;
+}
+
+void PythonRunner::record_call_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node,
+                                    bool runs_real) {
+  CallRecording& r = *call_recording_;
+  if (!r.ineligible.empty()) return;
+  if (runs_real) return call_not_replayable("an op of the call needs data");
+  ReplayStep& step = r.memo.steps.emplace_back();
+  step.node = node;
+  step.publishes = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
+  step.key = key;
+  step.loops = loops_;
+  const auto& externals = region.external_tensors();
+  for (const Post& p : plan_) {
+    ReplayPost out;
+    out.key = p.key;
+    out.value = p.value;
+    switch (p.kind) {
+      case Post::Kind::kDecision:
+        // (Fed numbers too: the caller's key stands for the Python numbers the ops receive.)
+        out.kind = ReplayPost::Kind::kDecision;
+        break;
+      case Post::Kind::kFeed:
+      case Post::Kind::kDeferredFeed: {
+        if (!p.tensor.defined()) {
+          out.kind = ReplayPost::Kind::kFeedNone;
+          break;
+        }
+        out.kind = ReplayPost::Kind::kFeed;
+        for (size_t k = externals.size(); k-- > 0;)
+          if (externals[k].unsafeGetTensorImpl() == p.tensor.unsafeGetTensorImpl()) {
+            out.external = static_cast<int32_t>(k);
+            break;
+          }
+        if (out.external < 0) return call_not_replayable("the call feeds a tensor the region does not know");
+        break;
+      }
+    }
+    step.posts.push_back(out);
+  }
+}
+
+void PythonRunner::note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
+  CallRecording& r = *call_recording_;
+  if (!r.ineligible.empty() || index < static_cast<int32_t>(r.memo.records_before)) return;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (!outputs[k].defined()) continue;
+    const int32_t j = argument_holding(r.arguments, outputs[k].unsafeGetTensorImpl());
+    if (j >= 0)
+      r.memo.argument_outputs.push_back(
+          {index - static_cast<int32_t>(r.memo.records_before), static_cast<uint32_t>(k), j});
+  }
+}
+
+bool PythonRunner::end_call(capture::Region& region, bool completed, bool replayable, const at::Tensor& result) {
+  std::unique_ptr<CallRecording> owned = std::move(call_recording_);
+  if (!owned || !completed || diverged_) return false;
+  CallRecording& r = *owned;
+  CallMemo& memo = r.memo;
+  auto give_up = [&](std::string why) {
+    call_stats_.reason = "not replayable: " + std::move(why);
+    return false;
+  };
+  if (!replayable) return give_up("the call changed the Python state it is keyed by (a momentum buffer made, a gradient replaced)");
+  if (!r.ineligible.empty()) return give_up(r.ineligible);
+  if (at::sequence_number::peek() != r.sequence_before) return give_up("the call created autograd nodes");
+  const capture::Trace& trace = region.trace();
+  const size_t begin = memo.records_before;
+  if (trace.ops.size() - begin != memo.steps.size()) return give_up("an op of the call was not validated");
+  memo.records.assign(trace.ops.begin() + static_cast<std::ptrdiff_t>(begin), trace.ops.end());
+
+  // What the records read from outside the iteration: arguments, or numbers the arg parser wrapped.
+  const auto& externals = region.external_tensors();
+  for (const capture::OpRecord& rec : memo.records)
+    for (const capture::OpInput& in : rec.inputs) {
+      const int32_t k = in.value.external;
+      if (k < 0) continue;
+      if (std::any_of(memo.externals_read.begin(), memo.externals_read.end(),
+                      [&](const CallExternal& e) { return e.external == k; }))
+        continue;
+      const at::Tensor& t = externals.at(k);
+      CallExternal e;
+      e.external = k;
+      e.argument = argument_holding(r.arguments, t.unsafeGetTensorImpl());
+      if (e.argument < 0) {
+        if (static_cast<size_t>(k) < memo.externals_before || !t.unsafeGetTensorImpl()->is_wrapped_number())
+          return give_up("the call reads a tensor from outside the iteration that is none of its arguments");
+        capture::SuspendGuard not_the_programs;
+        e.number = t.clone();  // (a value of its own: the op's wrapped number dies with the call)
+      }
+      memo.externals_read.push_back(std::move(e));
+    }
+  // Replayed, new externals are made in the order of their indices.
+  std::sort(memo.externals_read.begin(), memo.externals_read.end(),
+            [](const CallExternal& a, const CallExternal& b) { return a.external < b.external; });
+  size_t next = memo.externals_before;
+  for (const CallExternal& e : memo.externals_read) {
+    if (static_cast<size_t>(e.external) < memo.externals_before) continue;
+    if (static_cast<size_t>(e.external) != next++) return give_up("the call made an external it does not read");
+  }
+  if (next != externals.size()) return give_up("the call made an external it does not read");
+
+  if (result.defined()) {
+    // (a placeholder one of the call's ops made, and nothing else: a replay makes it again)
+    std::optional<capture::ValueRef> ref = region.produced(result);
+    if (!ref || ref->record < static_cast<int32_t>(begin) || !capture::is_placeholder(result) || result.is_view() ||
+        argument_holding(r.arguments, result.unsafeGetTensorImpl()) >= 0)
+      return give_up("the call returns a tensor that is not a new output of its ops");
+    memo.result_record = ref->record - static_cast<int32_t>(begin);
+    memo.result_output = static_cast<uint32_t>(ref->output);
+    if (!(memo.records[memo.result_record].outputs.at(memo.result_output) == capture::meta_of(result)))
+      return give_up("the call returns a tensor that differs from the output it came from");
+  }
+  for (size_t j = 0; j < r.arguments.size(); ++j)
+    memo.version_bumps.push_back(r.arguments[j].defined() ? r.arguments[j]._version() - r.versions_before[j] : 0);
+  for (size_t k = 0; k < externals.size(); ++k) {
+    std::optional<capture::ValueRef> ref = region.produced(externals[k]);
+    if (ref && ref->record >= static_cast<int32_t>(begin))
+      memo.external_aliases.push_back({static_cast<int32_t>(k), ref->record - static_cast<int32_t>(begin), ref->output});
+  }
+  if (call_memos_.size() >= kMaxCallMemos) call_memos_.erase(call_memos_.begin());
+  call_memos_.push_back(std::move(memo));
+  ++call_stats_.recorded;
+  return true;
+}
+
+at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& memo,
+                                     const std::vector<at::Tensor>& arguments) {
+  known_.settle();
+  at::Tensor result;
+  // The externals first read in the call, made in the recorded order (value_of numbers them).
+  for (const CallExternal& e : memo.externals_read) {
+    if (static_cast<size_t>(e.external) < memo.externals_before) continue;
+    at::Tensor t;
+    if (e.argument >= 0) {
+      t = arguments.at(e.argument);
+    } else {
+      capture::SuspendGuard not_the_programs;
+      t = e.number.clone();
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    }
+    const capture::ValueRef got = region.value_of(t);
+    TORCH_CHECK(got.external == e.external, "terra_torch internal error: a replayed call's external input ", e.external,
+                " became input ", got.external);
+  }
+  const auto& externals = region.external_tensors();
+  for (size_t i = 0; i < memo.steps.size(); ++i) {
+    const capture::OpRecord& mrec = memo.records[i];
+    const ReplayStep& step = memo.steps[i];
+    const int32_t index = region.append_record(mrec);
+    const trace::Match m = cursor_.step(step.key, step.loops);
+    TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed op (",
+                c10::toString(mrec.op.operator_name()), ") is not where the recorded one was");
+    path_ = trace::hash_combine(path_, step.node);
+    ++stats_.ops;
+    ++stats_.placeholders;
+    for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
+    for (const ReplayPost& p : step.posts) {
+      switch (p.kind) {
+        case ReplayPost::Kind::kDecision:
+          post({Post::Kind::kDecision, p.key, p.value, {}});
+          break;
+        case ReplayPost::Kind::kFeedNone:
+          post(feed(p.key, at::Tensor()));
+          break;
+        case ReplayPost::Kind::kFeed: {
+          const at::Tensor& t = externals.at(p.external);
+          if (const auto linked = linked_index(t)) {
+            values_->pin(*linked);
+            post(deferred_feed(p.key, *linked, t));
+          } else {
+            TORCH_CHECK(capture::adopt_if_backed(t), "terra_torch internal error: a replayed call feeds a "
+                        "placeholder without a value");
+            post(feed(p.key, t));
+          }
+          break;
+        }
+      }
+    }
+    note_run(index, step.node, copy_here(step.node), mrec.outputs.size());
+    if (step.publishes > 0 && mrec.outputs.empty()) {
+      values_->expect(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
+      continue;
+    }
+    // Outputs that are arguments are claimed as claim_outputs() claims them; the others are
+    // temporaries of the call, dead by its end (only their place in the output sequence).
+    for (uint32_t k = 0; k < mrec.outputs.size(); ++k) {
+      const int64_t tag = emit::EmittedGraph::publish_tag(step.node, k);
+      auto out = std::find_if(memo.argument_outputs.begin(), memo.argument_outputs.end(),
+                              [&](const CallMemo::ArgumentOutput& a) { return a.record == int32_t(i) && a.output == k; });
+      const bool returned = memo.result_record == int32_t(i) && memo.result_output == k;
+      if (out == memo.argument_outputs.end() && !returned) {
+        if (step.publishes > 0) values_->expect(tag, at::Tensor());
+        continue;
+      }
+      if (returned) result = capture::make_placeholder(mrec.outputs[k], mrec.op);  // (as run_placeholder makes it)
+      const at::Tensor& t = returned ? result : arguments.at(out->argument);
+      region.set_produced(t, index, static_cast<int32_t>(k));
+      path_ = detail::hash_sizes(path_, t);
+      note_latest(tag, record_copies_.at(index), t);
+      if (step.publishes == 0) continue;
+      const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
+      const int64_t v = values_->expect(tag, keep ? t : at::Tensor());
+      if (!keep) continue;
+      auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
+      if (!inserted && !link->expired()) values_->retire(link->index);  // in place: read the newer value
+      link->impl.emplace(t.getIntrusivePtr());
+      link->index = v;
+    }
+  }
+  // What the ops leave behind on the Python side: versions of the tensors written, and no known
+  // value for them (the graph writes them).
+  bool writes_python_memory = false;
+  for (size_t j = 0; j < arguments.size(); ++j) {
+    if (memo.version_bumps[j] == 0 || !arguments[j].defined()) continue;
+    for (int64_t b = 0; b < memo.version_bumps[j]; ++b) torch::autograd::impl::bump_version(arguments[j]);
+    if (known_values_enabled_) known_.forget(arguments[j]);
+    writes_python_memory |= python_writable_memory(arguments[j]);
+  }
+  for (const BackwardMemo::Alias& a : memo.external_aliases) {
+    const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
+    region.set_produced(externals.at(a.external), index, a.output);
+    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), record_copies_.at(index),
+                externals.at(a.external));
+  }
+  flush();
+  // A write into memory Python can read or write without an op (a parameter whose numpy array
+  // the program keeps): the graph runs it before Python goes on, as outputs() does for the op.
+  if (writes_python_memory) catch_up();
+  return result;
+}
+
+}  // namespace terra::runtime

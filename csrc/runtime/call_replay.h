@@ -1,0 +1,106 @@
+// An optimizer's step() in co-execution without its Python (docs/RUNTIME.md, "optimizer.step() in
+// co-execution").
+//
+// torch.optim.SGD.step issues, per parameter with a gradient, the same few in-place ops each
+// iteration: `param.add_(grad, alpha=-lr)`, with momentum `buf.mul_(momentum).add_(grad, ...)`
+// first. Which ops, on which tensors and with which numbers follows from the parameters, their
+// gradients and momentum buffers, and the hyperparameters. In co-execution each of them went
+// through Python, the dispatcher and the per-op check only to hand the graph work it already
+// holds. So, as for backward() (runtime/backward_replay.h), the first step() with a given key
+// runs op by op and is *recorded* as a CallMemo; every later call with the same key is
+// *replayed*: the records join the region's trace, the posts go to the graph in one go, the
+// tensors written get their version bumps, and no op reaches Python. Example, an MLP step:
+//
+//     iteration 3 (first co-executed): opt.step() -> 6 ops validated, memo recorded
+//     iteration 4..: opt.step() -> replay: 6 records appended, their posts sent, 6 version bumps
+//
+// A call may return a tensor one of its ops made (torch.nn.utils.clip_grad_norm_ returns the total
+// norm): a replay returns a new placeholder of it, as the op would have.
+//
+// The key: the cursor's path and the region's record and external counts (the iteration so far
+// is the recorded one), each tensor argument (a value of this iteration by its reference, any
+// other tensor by identity, None as None), and a number the caller vouches for: the same number
+// only where the Python code would issue the same ops with the same Python numbers
+// (terra_torch/_optimizer.py: the hyperparameters, compared by value). A recorded call is kept
+// only if its ops all ran on the graph, created no autograd node, read no data, and read no
+// tensor from outside the iteration that is not one of its arguments.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "capture/trace_record.h"
+#include "runtime/backward_replay.h"
+
+namespace terra::runtime {
+
+// One tensor argument of a call, as the key compares it.
+struct CallArgument {
+  enum class Kind : uint8_t {
+    kNone,      // None (a parameter without a gradient, a momentum buffer not made yet)
+    kProduced,  // a value this iteration computed: compared by its reference
+    kTensor,    // any other tensor: compared by identity
+  };
+  Kind kind = Kind::kNone;
+  capture::ValueRef ref;
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;  // kTensor
+};
+
+// An external the recorded ops read: one of the call's arguments, or a Python number the arg
+// parser wrapped for one op (`buf.mul_(momentum)`), made again with the same value in a replay.
+struct CallExternal {
+  int32_t external = -1;
+  int32_t argument = -1;
+  at::Tensor number;  // the wrapped number's value (argument < 0)
+};
+
+// A recorded call and the key under which it replays.
+struct CallMemo {
+  // ---- the key ----
+  uint64_t path = 0;
+  size_t records_before = 0;
+  size_t externals_before = 0;
+  int64_t caller_key = 0;
+  std::vector<CallArgument> arguments;
+  // ---- what it did ----
+  std::vector<capture::OpRecord> records;
+  std::vector<ReplayStep> steps;  // one per record
+  // Every external the records read. Those at or past externals_before were first read in the
+  // call and become externals again, in the same order, in a replay.
+  std::vector<CallExternal> externals_read;
+  // Outputs that are an argument (an in-place op's result): (record, output, argument).
+  struct ArgumentOutput {
+    int32_t record;
+    uint32_t output;
+    int32_t argument;
+  };
+  std::vector<ArgumentOutput> argument_outputs;
+  std::vector<int64_t> version_bumps;  // per argument
+  std::vector<BackwardMemo::Alias> external_aliases;
+  // The tensor the call returned, an output of one of its records (clip_grad_norm_'s total norm),
+  // made again as a placeholder in a replay; record -1: it returned none.
+  int32_t result_record = -1;
+  uint32_t result_output = 0;
+};
+
+// A call being recorded (PythonRunner::validate adds a step per op, claim_outputs notes outputs
+// that are arguments). `ineligible`: the first reason it cannot become a memo.
+struct CallRecording {
+  CallMemo memo;
+  std::vector<at::Tensor> arguments;  // held for the call only
+  std::vector<int64_t> versions_before;
+  uint64_t sequence_before = 0;
+  std::string ineligible;
+};
+
+// Memos kept per generated graph: one per optimizer and path, and a few for changed
+// hyperparameters (a learning rate that steps now and then).
+inline constexpr size_t kMaxCallMemos = 16;
+
+}  // namespace terra::runtime

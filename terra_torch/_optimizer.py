@@ -1,0 +1,250 @@
+"""optimizer.step() and clip_grad_norm_ in co-execution without their Python (docs/RUNTIME.md,
+"optimizer.step() in co-execution"; csrc/runtime/call_replay.h).
+
+`torch.optim.SGD.step` issues the same in-place ops every iteration (`param.add_(grad,
+alpha=-lr)`, with momentum `buf.mul_(momentum).add_(grad, alpha=1 - dampening)` first), and
+`torch.nn.utils.clip_grad_norm_` the same norms and multiplications. In co-execution each of those
+ops went through Python, the dispatcher and the per-op check only to hand the graph work it already
+holds: 15-20% of the Python thread of the quick suite's SGD programs. `install()` puts stand-ins in
+place of SGD's step body (under torch's profiling wrapper, so that step hooks and the profiler's
+`record_function` run as always) and of `clip_grad_norm_`. While a co-executed iteration is open a
+stand-in asks the program's runtime first: a call recorded before with the same key is replayed
+(its ops' posts go to the graph, the tensors written get their version bumps, a returned tensor is
+a new placeholder) and the body does not run; otherwise the body runs as always and the runtime
+records what it did. Outside co-execution the stand-ins only forward.
+
+The key the runtime cannot see for itself is the Python numbers the ops receive: they follow from
+the hyperparameters (SGD's param groups; clip's max_norm, norm_type and flags), compared here by
+value (floats bit for bit). Tensors are the runtime's to compare: each parameter, its gradient and
+its momentum buffer (or None). A call whose Python state changes (the first step, which makes the
+momentum buffers) is not kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch.optim import SGD, Optimizer
+
+from terra_torch import runtime
+
+# TERRA_STEP_REPLAY=0 keeps every step() and clip_grad_norm_ on the per-op path (to compare).
+enabled = os.environ.get("TERRA_STEP_REPLAY", "1") != "0"
+
+# Hyperparameters a key may hold: numbers, flags and names, compared by value. Anything else (a
+# tensor learning rate, which a scheduler may change in place) keeps the call on the per-op path.
+_PLAIN = (bool, int, float, str, type(None))
+
+# New hyperparameters in this many calls in a row (a learning rate scheduled every step), or this
+# many recordings in a row the runtime did not keep: the stand-in stays on the per-op path for
+# BACKOFF calls instead of recording a memo per call.
+CHANGES_BEFORE_BACKOFF = 3
+BACKOFF = 200
+# Hyperparameter sets remembered per owner (a learning rate that cycles finds its memo again).
+MAX_KEYS = 64
+
+_numbers = itertools.count(1)
+
+
+class _KeyState:
+    """Per owner (an optimizer, or clip_grad_norm_): the key number of each hyperparameter set seen,
+    and the backoff."""
+
+    __slots__ = ("numbers", "new_in_a_row", "refused_in_a_row", "skip", "__weakref__")
+
+    def __init__(self) -> None:
+        self.numbers: dict[tuple[Any, ...], int] = {}
+        self.new_in_a_row = 0
+        self.refused_in_a_row = 0
+        self.skip = 0
+
+    def number(self, values: tuple[Any, ...]) -> int | None:
+        """The key number of `values` (None: backing off)."""
+        n = self.numbers.get(values)
+        if n is None:
+            if len(self.numbers) >= MAX_KEYS:
+                self.numbers.clear()
+            n = self.numbers[values] = next(_numbers)
+            self.new_in_a_row += 1
+            if self.new_in_a_row >= CHANGES_BEFORE_BACKOFF:
+                self.new_in_a_row, self.skip = 0, BACKOFF
+        else:
+            self.new_in_a_row = 0
+        if self.skip > 0:
+            self.skip -= 1
+            return None
+        return n
+
+    def recorded(self, kept: bool) -> None:
+        self.refused_in_a_row = 0 if kept else self.refused_in_a_row + 1
+        if self.refused_in_a_row >= CHANGES_BEFORE_BACKOFF:
+            self.refused_in_a_row, self.skip = 0, BACKOFF
+
+
+@dataclass
+class _Key:
+    state: _KeyState
+    values: tuple[Any, ...]
+    tensors: list[torch.Tensor | None]
+
+
+def _plain(v: Any) -> Any:
+    """`v` as a key holds it (floats by their bits: -0.0 is not 0.0 here), or raises TypeError."""
+    if type(v) not in _PLAIN:
+        raise TypeError
+    return v.hex() if type(v) is float else v
+
+
+# ---- SGD.step -----------------------------------------------------------------------------------
+
+_optimizer_keys: "weakref.WeakKeyDictionary[Optimizer, _KeyState]" = weakref.WeakKeyDictionary()
+
+
+def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What SGD's step reads: the hyperparameters by value, and per parameter the parameter, its
+    gradient and its momentum buffer; None where the step cannot be keyed."""
+    opt = args[0]
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None or len(args) > 2 or any(k != "closure" for k in kwargs) or \
+            opt.defaults.get("differentiable") or getattr(opt, "grad_scale", None) is not None or \
+            getattr(opt, "found_inf", None) is not None:
+        return args, kwargs, None
+    values: list[Any] = []
+    tensors: list[torch.Tensor | None] = []
+    try:
+        for group in opt.param_groups:
+            values += ((name, _plain(v)) for name, v in group.items() if name != "params")
+            momentum = group["momentum"]
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    tensors += (p, None, None)
+                    continue
+                if g.is_sparse:
+                    return args, kwargs, None
+                state = opt.state.get(p) if momentum != 0 else None
+                tensors += (p, g, state.get("momentum_buffer") if state else None)
+    except TypeError:
+        return args, kwargs, None
+    state = _optimizer_keys.get(opt)
+    if state is None:
+        state = _optimizer_keys[opt] = _KeyState()
+    return args, kwargs, _Key(state, tuple(values), tensors)
+
+
+# ---- clip_grad_norm_ ----------------------------------------------------------------------------
+
+_CLIP_ARGUMENTS = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
+_clip_keys = _KeyState()
+
+
+def _clip_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What clip_grad_norm_ reads: max_norm, norm_type and the flags by value, and each parameter's
+    gradient. An iterable of parameters becomes a list (passed on to the body: it is read twice)."""
+    if len(args) > len(_CLIP_ARGUMENTS) or any(k not in _CLIP_ARGUMENTS for k in kwargs):
+        return args, kwargs, None
+    bound = dict(zip(_CLIP_ARGUMENTS, args))
+    bound.update(kwargs)
+    if "parameters" not in bound or "max_norm" not in bound or bound.get("error_if_nonfinite"):
+        return args, kwargs, None  # (error_if_nonfinite reads the norm: never replayable)
+    parameters = bound["parameters"]
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    elif isinstance(parameters, (list, tuple, types.GeneratorType)):
+        parameters = list(parameters)
+    else:
+        return args, kwargs, None
+    if not parameters:  # (the body as called: it warns about an empty generator, now exhausted too)
+        return args, kwargs, None
+    if args:
+        args = (parameters,) + args[1:]
+    else:
+        kwargs = {**kwargs, "parameters": parameters}
+    try:
+        values = tuple(_plain(bound.get(name, default))
+                       for name, default in zip(_CLIP_ARGUMENTS[1:], (None, 2.0, False, None)))
+    except TypeError:
+        return args, kwargs, None
+    if any(not isinstance(p, torch.Tensor) for p in parameters) or \
+            any(p.grad is not None and p.grad.is_sparse for p in parameters):
+        return args, kwargs, None
+    return args, kwargs, _Key(_clip_keys, values, [p.grad for p in parameters])
+
+
+# ---- the stand-ins ------------------------------------------------------------------------------
+
+
+KeyOf = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], "_Key | None"]]
+
+
+def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
+    """`body` through the co-executing program's runtime: replayed where a recorded call has the
+    key `key_of` gives, recorded where it has none yet, run as it is otherwise."""
+
+    @functools.wraps(body)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        program = runtime.active()
+        path = key = None
+        if enabled and program is not None and program.phase == "coexec" and program._region is not None and \
+                not torch.compiler.is_compiling():
+            args, kwargs, key = key_of(args, kwargs)
+            number = key.state.number(key.values) if key is not None else None
+            if number is not None:
+                region, session = program._region, program._session
+                path, replayed = session.call_begin(region, number, key.tensors)
+                if path == "replayed":
+                    return replayed
+        completed = replayable = False
+        result = None
+        try:
+            # One call site for every path: this frame is part of the location of each op of the
+            # body (docs/LOCATIONS.md), so it must not differ between traced and co-executed
+            # iterations.
+            result = body(*args, **kwargs)
+            completed = True
+            if path == "recording":
+                after = key_of(args, kwargs)[2]
+                replayable = after is not None and after.values == key.values and \
+                    len(after.tensors) == len(key.tensors) and \
+                    all(a is b for a, b in zip(after.tensors, key.tensors)) and \
+                    (result is None or isinstance(result, torch.Tensor))
+            return result
+        finally:
+            if path == "recording":
+                kept = session.call_end(region, completed, replayable,
+                                        result if isinstance(result, torch.Tensor) else None)
+                key.state.recorded(kept)
+
+    call._terra_stand_in = True  # type: ignore[attr-defined]
+    return call
+
+
+def install() -> None:
+    """Idempotent. SGD's step body is replaced under torch's profiling wrapper whether or not an
+    SGD was made before (torch wraps the class's step at the first); clip_grad_norm_ where
+    torch.nn.utils and its clip_grad module name it (a program that imported the name before
+    terra_torch keeps torch's own)."""
+    current = SGD.__dict__["step"]
+    if getattr(current, "hooked", False):
+        inner = current.__wrapped__
+        if not getattr(inner, "_terra_stand_in", False):
+            hooked = Optimizer.profile_hook_step(_stand_in(inner, _sgd_key))
+            hooked.hooked = True  # type: ignore[attr-defined]
+            SGD.step = hooked  # type: ignore[method-assign]
+    elif not getattr(current, "_terra_stand_in", False):
+        SGD.step = _stand_in(current, _sgd_key)  # type: ignore[method-assign]
+    clip = torch.nn.utils.clip_grad.clip_grad_norm_
+    if not getattr(clip, "_terra_stand_in", False):
+        stand_in = _stand_in(clip, _clip_key)
+        torch.nn.utils.clip_grad.clip_grad_norm_ = stand_in
+        if torch.nn.utils.clip_grad_norm_ is clip:
+            torch.nn.utils.clip_grad_norm_ = stand_in
