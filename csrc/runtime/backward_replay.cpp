@@ -269,7 +269,24 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
   if (runs_real) return not_replayable("an op of the backward needs data");
   // (Inside a graph loop too: the memo's key is the path so far, trips before included, so a
   // replay steps the cursor through the same loop frames, copies and latest outputs.)
-  ReplayStep& step = r.memo.steps.emplace_back();
+  std::string why = recorded_step(region, key, node, r.memo.steps.emplace_back(), [&]() -> std::string {
+    // A fed number of a backward op (a view's sizes, a select's index) follows from its forward
+    // op's arguments and the sizes in the key: replayed as recorded while the forward op's
+    // arguments are the same (BackwardMemo::origin_attributes).
+    const int32_t origin = region.trace().ops.back().origin;
+    if (origin < 0 || static_cast<size_t>(origin) >= r.memo.records_before)
+      return "the backward reads a Python number the graph is fed, not from a forward op";
+    if (std::find(r.scalar_origins.begin(), r.scalar_origins.end(), origin) == r.scalar_origins.end())
+      r.scalar_origins.push_back(origin);
+    return {};
+  });
+  if (!why.empty()) not_replayable(std::move(why));
+}
+
+// ---- one recorded op, replayed (also call_replay.cpp) ------------------------------------------
+
+std::string PythonRunner::recorded_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node,
+                                        ReplayStep& step, c10::function_ref<std::string()> fed_number) {
   step.node = node;
   step.publishes = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
   step.key = key;
@@ -281,16 +298,8 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
     out.value = p.value;
     switch (p.kind) {
       case Post::Kind::kDecision:
-        if (is_scalar_key(p.key)) {
-          // A fed number of a backward op (a view's sizes, a select's index) follows from its
-          // forward op's arguments and the sizes in the key: replayed as recorded while the
-          // forward op's arguments are the same (BackwardMemo::origin_attributes).
-          const int32_t origin = region.trace().ops.back().origin;
-          if (origin < 0 || static_cast<size_t>(origin) >= r.memo.records_before)
-            return not_replayable("the backward reads a Python number the graph is fed, not from a forward op");
-          if (std::find(r.scalar_origins.begin(), r.scalar_origins.end(), origin) == r.scalar_origins.end())
-            r.scalar_origins.push_back(origin);
-        }
+        if (is_scalar_key(p.key))
+          if (std::string why = fed_number(); !why.empty()) return why;
         // (A select site's value names the producer copy the recorded op read: the same
         // records replayed read the same copy.)
         out.kind = ReplayPost::Kind::kDecision;
@@ -307,12 +316,51 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
             out.external = static_cast<int32_t>(k);
             break;
           }
-        if (out.external < 0) return not_replayable("the backward feeds a tensor the region does not know");
+        if (out.external < 0) return "an op feeds a tensor the region does not know";
         break;
       }
     }
     step.posts.push_back(out);
   }
+  return {};
+}
+
+int32_t PythonRunner::replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step) {
+  const int32_t index = region.append_record(rec);
+  const trace::Match m = cursor_.step(step.key, step.loops);
+  TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed op (",
+              c10::toString(rec.op.operator_name()), ") is not where the recorded one was");
+  path_ = trace::hash_combine(path_, step.node);
+  ++stats_.ops;
+  ++stats_.placeholders;
+  for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
+  const auto& externals = region.external_tensors();
+  for (const ReplayPost& p : step.posts) {
+    switch (p.kind) {
+      case ReplayPost::Kind::kDecision:
+        post({Post::Kind::kDecision, p.key, p.value, {}});
+        break;
+      case ReplayPost::Kind::kFeedNone:
+        post(feed(p.key, at::Tensor()));
+        break;
+      case ReplayPost::Kind::kFeed: {
+        const at::Tensor& t = externals.at(p.external);
+        if (const auto linked = linked_index(t)) {
+          values_->pin(*linked);
+          post(deferred_feed(p.key, *linked, t));
+        } else {
+          TORCH_CHECK(capture::adopt_if_backed(t), "terra_torch internal error: a replayed op feeds a "
+                      "placeholder without a value");
+          post(feed(p.key, t));
+        }
+        break;
+      }
+    }
+  }
+  note_run(index, step.node, copy_here(step.node), rec.outputs.size());
+  if (step.publishes > 0 && rec.outputs.empty())
+    values_->expect(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
+  return index;
 }
 
 void PythonRunner::end_backward(capture::Region& region, bool completed) {
@@ -432,44 +480,9 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       TORCH_CHECK(got.external == k, "terra_torch internal error: a replayed backward's external input ", k,
                   " became input ", got.external);
     }
-    const int32_t index = region.append_record(mrec);
-    const trace::Match m = cursor_.step(step.key, step.loops);
-    TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed backward op (",
-                c10::toString(mrec.op.operator_name()), ") is not where the recorded one was");
-    path_ = trace::hash_combine(path_, step.node);
-    ++stats_.ops;
-    ++stats_.placeholders;
-    for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
-    for (const ReplayPost& p : step.posts) {
-      switch (p.kind) {
-        case ReplayPost::Kind::kDecision:
-          post({Post::Kind::kDecision, p.key, p.value, {}});
-          break;
-        case ReplayPost::Kind::kFeedNone:
-          post(feed(p.key, at::Tensor()));
-          break;
-        case ReplayPost::Kind::kFeed: {
-          const at::Tensor& t = externals.at(p.external);
-          if (const auto linked = linked_index(t)) {
-            values_->pin(*linked);
-            post(deferred_feed(p.key, *linked, t));
-          } else {
-            TORCH_CHECK(capture::adopt_if_backed(t), "terra_torch internal error: a replayed backward feeds a "
-                        "placeholder without a value");
-            post(feed(p.key, t));
-          }
-          break;
-        }
-      }
-    }
-    note_run(index, step.node, copy_here(step.node), mrec.outputs.size());
-
+    const int32_t index = replay_op(region, mrec, step);
     // The leaves' gradients among the outputs become values of the region (as run_placeholder
     // makes them), and the output sequence is claimed as outputs() claims it: only they are kept.
-    if (step.publishes > 0 && mrec.outputs.empty()) {
-      values_->expect(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
-      continue;
-    }
     for (uint32_t k = 0; k < mrec.outputs.size(); ++k) {
       const int64_t tag = emit::EmittedGraph::publish_tag(step.node, k);
       const int64_t id = (int64_t(i) << 16) | k;
@@ -485,14 +498,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       region.set_produced(t, index, static_cast<int32_t>(k));
       note_latest(tag, record_copies_.at(index), t);
       if (memo.outcomes[j].kind == LeafOutcome::Kind::kNew) new_grads[j] = t;
-      if (step.publishes == 0) continue;
-      const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
-      const int64_t v = values_->expect(tag, keep ? t : at::Tensor());
-      if (!keep) continue;
-      auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
-      if (!inserted && !link->expired()) values_->retire(link->index);
-      link->impl.emplace(t.getIntrusivePtr());
-      link->index = v;
+      if (step.publishes > 0) expect_output(tag, t);
     }
   }
   // What the engine leaves behind: the leaves' gradients, versions of those written in place,

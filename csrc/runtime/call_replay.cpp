@@ -134,39 +134,9 @@ void PythonRunner::record_call_step(const capture::Region& region, const trace::
   CallRecording& r = *call_recording_;
   if (!r.ineligible.empty()) return;
   if (runs_real) return call_not_replayable("an op of the call needs data");
-  ReplayStep& step = r.memo.steps.emplace_back();
-  step.node = node;
-  step.publishes = node < emitted_.node_publishes.size() ? emitted_.node_publishes[node] : 0;
-  step.key = key;
-  step.loops = loops_;
-  const auto& externals = region.external_tensors();
-  for (const Post& p : plan_) {
-    ReplayPost out;
-    out.key = p.key;
-    out.value = p.value;
-    switch (p.kind) {
-      case Post::Kind::kDecision:
-        // (Fed numbers too: the caller's key stands for the Python numbers the ops receive.)
-        out.kind = ReplayPost::Kind::kDecision;
-        break;
-      case Post::Kind::kFeed:
-      case Post::Kind::kDeferredFeed: {
-        if (!p.tensor.defined()) {
-          out.kind = ReplayPost::Kind::kFeedNone;
-          break;
-        }
-        out.kind = ReplayPost::Kind::kFeed;
-        for (size_t k = externals.size(); k-- > 0;)
-          if (externals[k].unsafeGetTensorImpl() == p.tensor.unsafeGetTensorImpl()) {
-            out.external = static_cast<int32_t>(k);
-            break;
-          }
-        if (out.external < 0) return call_not_replayable("the call feeds a tensor the region does not know");
-        break;
-      }
-    }
-    step.posts.push_back(out);
-  }
+  // (Fed numbers too: the caller's key stands for the Python numbers the ops receive.)
+  std::string why = recorded_step(region, key, node, r.memo.steps.emplace_back(), [] { return std::string(); });
+  if (!why.empty()) call_not_replayable(std::move(why));
 }
 
 void PythonRunner::note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs) {
@@ -179,6 +149,15 @@ void PythonRunner::note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> ou
       r.memo.argument_outputs.push_back(
           {index - static_cast<int32_t>(r.memo.records_before), static_cast<uint32_t>(k), j});
   }
+}
+
+void PythonRunner::note_call_write(const at::Tensor& t) {
+  CallRecording& r = *call_recording_;
+  if (!r.ineligible.empty()) return;
+  const int32_t j = argument_holding(r.arguments, t.unsafeGetTensorImpl());
+  // (A write the replay could not name: its tensor would keep a stale known value.)
+  if (j < 0) return call_not_replayable("the call writes a tensor that is none of its arguments");
+  if (std::find(r.memo.written.begin(), r.memo.written.end(), j) == r.memo.written.end()) r.memo.written.push_back(j);
 }
 
 bool PythonRunner::end_call(capture::Region& region, bool completed, bool replayable, const at::Tensor& result) {
@@ -272,47 +251,13 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     TORCH_CHECK(got.external == e.external, "terra_torch internal error: a replayed call's external input ", e.external,
                 " became input ", got.external);
   }
-  const auto& externals = region.external_tensors();
   for (size_t i = 0; i < memo.steps.size(); ++i) {
     const capture::OpRecord& mrec = memo.records[i];
     const ReplayStep& step = memo.steps[i];
-    const int32_t index = region.append_record(mrec);
-    const trace::Match m = cursor_.step(step.key, step.loops);
-    TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed op (",
-                c10::toString(mrec.op.operator_name()), ") is not where the recorded one was");
-    path_ = trace::hash_combine(path_, step.node);
-    ++stats_.ops;
-    ++stats_.placeholders;
-    for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
-    for (const ReplayPost& p : step.posts) {
-      switch (p.kind) {
-        case ReplayPost::Kind::kDecision:
-          post({Post::Kind::kDecision, p.key, p.value, {}});
-          break;
-        case ReplayPost::Kind::kFeedNone:
-          post(feed(p.key, at::Tensor()));
-          break;
-        case ReplayPost::Kind::kFeed: {
-          const at::Tensor& t = externals.at(p.external);
-          if (const auto linked = linked_index(t)) {
-            values_->pin(*linked);
-            post(deferred_feed(p.key, *linked, t));
-          } else {
-            TORCH_CHECK(capture::adopt_if_backed(t), "terra_torch internal error: a replayed call feeds a "
-                        "placeholder without a value");
-            post(feed(p.key, t));
-          }
-          break;
-        }
-      }
-    }
-    note_run(index, step.node, copy_here(step.node), mrec.outputs.size());
-    if (step.publishes > 0 && mrec.outputs.empty()) {
-      values_->expect(emit::EmittedGraph::publish_tag(step.node, 255), at::Tensor());
-      continue;
-    }
-    // Outputs that are arguments are claimed as claim_outputs() claims them; the others are
-    // temporaries of the call, dead by its end (only their place in the output sequence).
+    const int32_t index = replay_op(region, mrec, step);
+    // Outputs that are arguments, or the call's result, are claimed as claim_outputs() claims
+    // them; the others are temporaries of the call, dead by its end (only their place in the
+    // output sequence).
     for (uint32_t k = 0; k < mrec.outputs.size(); ++k) {
       const int64_t tag = emit::EmittedGraph::publish_tag(step.node, k);
       auto out = std::find_if(memo.argument_outputs.begin(), memo.argument_outputs.end(),
@@ -327,25 +272,19 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
       region.set_produced(t, index, static_cast<int32_t>(k));
       path_ = detail::hash_sizes(path_, t);
       note_latest(tag, record_copies_.at(index), t);
-      if (step.publishes == 0) continue;
-      const bool keep = capture::is_placeholder(t) || linked_index(t).has_value();
-      const int64_t v = values_->expect(tag, keep ? t : at::Tensor());
-      if (!keep) continue;
-      auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
-      if (!inserted && !link->expired()) values_->retire(link->index);  // in place: read the newer value
-      link->impl.emplace(t.getIntrusivePtr());
-      link->index = v;
+      if (step.publishes > 0) expect_output(tag, t);
     }
   }
   // What the ops leave behind on the Python side: versions of the tensors written, and no known
   // value for them (the graph writes them).
-  bool writes_python_memory = false;
-  for (size_t j = 0; j < arguments.size(); ++j) {
-    if (memo.version_bumps[j] == 0 || !arguments[j].defined()) continue;
+  for (size_t j = 0; j < arguments.size(); ++j)
     for (int64_t b = 0; b < memo.version_bumps[j]; ++b) torch::autograd::impl::bump_version(arguments[j]);
+  bool writes_python_memory = false;
+  for (const int32_t j : memo.written) {
     if (known_values_enabled_) known_.forget(arguments[j]);
     writes_python_memory |= python_writable_memory(arguments[j]);
   }
+  const auto& externals = region.external_tensors();
   for (const BackwardMemo::Alias& a : memo.external_aliases) {
     const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
     region.set_produced(externals.at(a.external), index, a.output);

@@ -81,7 +81,10 @@ struct CallMemo {
     int32_t argument;
   };
   std::vector<ArgumentOutput> argument_outputs;
-  std::vector<int64_t> version_bumps;  // per argument
+  std::vector<int64_t> version_bumps;  // per argument (autograd's in-place kernels bump them)
+  // The arguments the ops write (their known values go; a foreach op's write bumps no version in
+  // co-execution, where its kernel, which bumps them, does not run).
+  std::vector<int32_t> written;
   std::vector<BackwardMemo::Alias> external_aliases;
   // The tensor the call returned, an output of one of its records (clip_grad_norm_'s total norm),
   // made again as a placeholder in a replay; record -1: it returned none.

@@ -214,6 +214,7 @@ PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const c
   capture::for_each_written(rec.op, args, [&](const at::Tensor& t) {
     if (!follows && known_values_enabled_) known_.forget(t);
     if (python_writable_memory(t)) sync_after_ = index;
+    if (call_recording_) note_call_write(t);
   });
   return verdict;
 }
@@ -288,15 +289,19 @@ void PythonRunner::claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> output
     path_ = detail::hash_sizes(path_, t);
     const int64_t tag = emit::EmittedGraph::publish_tag(node, k);
     note_latest(tag, record_copies_.at(index), t);
-    const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
-    const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
-    if (!keep) continue;
-    auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
-    if (!inserted && !link->expired()) values_->retire(link->index);  // in place: read the newer value
-    // (an expired entry: a new tensor at a dead one's address)
-    link->impl.emplace(t.getIntrusivePtr());
-    link->index = i;
+    expect_output(tag, t);
   }
+}
+
+void PythonRunner::expect_output(int64_t tag, const at::Tensor& t) {
+  const bool keep = t.defined() && (capture::is_placeholder(t) || linked_index(t).has_value());
+  const int64_t i = values_->expect(tag, keep ? t : at::Tensor());
+  if (!keep) return;
+  auto [link, inserted] = links_.try_emplace(t.unsafeGetTensorImpl());
+  if (!inserted && !link->expired()) values_->retire(link->index);  // in place: read the newer value
+  // (an expired entry: a new tensor at a dead one's address)
+  link->impl.emplace(t.getIntrusivePtr());
+  link->index = i;
 }
 
 void PythonRunner::note_latest(int64_t tag, uint64_t copy, const at::Tensor& t) {

@@ -9,6 +9,8 @@
 // runs eagerly in the capture region (which records it, so the new path can be merged).
 #pragma once
 
+#include <c10/util/FunctionRef.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -242,6 +244,9 @@ class PythonRunner final : public capture::CoExecHook {
   bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
   // outputs() without the known values: the value-table claims and links of the outputs.
   void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
+  // Claims the value the graph publishes under `tag` for `t`, and links `t` to it where Python
+  // may read it later (a placeholder, or a tensor already linked: an in-place op's output).
+  void expect_output(int64_t tag, const at::Tensor& t);
   // The copy (EmittedGraph::copy_hash) the cursor stands in at `node`; 0 outside unrolled loops.
   uint64_t copy_here(trace::NodeId node);
   // `t` is now the latest output `tag` (publish_tag) of its node: for the loop check in validate().
@@ -260,11 +265,20 @@ class PythonRunner final : public capture::CoExecHook {
   void not_replayable(std::string why);
   void record_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
   void replay(capture::Region& region, const BackwardMemo& memo, const AutogradReach& reach, const BackwardCall& call);
+  // The op validate() just checked as a ReplayStep (its cursor key, loop frames and the posts in
+  // plan_, feeds named by external index); empty, or why it cannot be replayed. `fed_number`
+  // answers the same for a post of a fed Python number.
+  std::string recorded_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node,
+                            ReplayStep& step, c10::function_ref<std::string()> fed_number);
+  // A recorded op replayed: its record appended, the cursor stepped, its posts sent, the run
+  // noted (and a node that publishes without outputs claimed); returns the record's index.
+  int32_t replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step);
   // call_replay.cpp
   CallPath call_per_op(std::string why);
   void call_not_replayable(std::string why);
   void record_call_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
   void note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
+  void note_call_write(const at::Tensor& t);
   at::Tensor replay_call(capture::Region& region, const CallMemo& memo, const std::vector<at::Tensor>& arguments);
 
   emit::CapturedProgram& program_;
