@@ -285,6 +285,28 @@ void PythonRunner::record_step(const capture::Region& region, const trace::OpKey
 
 // ---- one recorded op, replayed (also call_replay.cpp) ------------------------------------------
 
+std::vector<BackwardMemo::Alias> aliases_after(capture::Region& region, size_t begin) {
+  std::vector<BackwardMemo::Alias> out;
+  const auto& externals = region.external_tensors();
+  for (size_t k = 0; k < externals.size(); ++k) {
+    std::optional<capture::ValueRef> ref = region.produced(externals[k]);
+    if (ref && ref->record >= static_cast<int32_t>(begin))
+      out.push_back({static_cast<int32_t>(k), ref->record - static_cast<int32_t>(begin), ref->output});
+  }
+  return out;
+}
+
+void PythonRunner::apply_aliases(capture::Region& region, size_t records_before,
+                                 const std::vector<BackwardMemo::Alias>& aliases) {
+  const auto& externals = region.external_tensors();
+  for (const BackwardMemo::Alias& a : aliases) {
+    const int32_t index = static_cast<int32_t>(records_before) + a.record;
+    region.set_produced(externals.at(a.external), index, a.output);
+    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), record_copies_.at(index),
+                externals.at(a.external));
+  }
+}
+
 std::string PythonRunner::recorded_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node,
                                         ReplayStep& step, c10::function_ref<std::string()> fed_number) {
   step.node = node;
@@ -443,11 +465,7 @@ void PythonRunner::end_backward(capture::Region& region, bool completed) {
     }
     memo.outcomes.push_back(o);
   }
-  for (size_t k = 0; k < externals.size(); ++k) {
-    std::optional<capture::ValueRef> ref = region.produced(externals[k]);
-    if (ref && ref->record >= static_cast<int32_t>(begin))
-      memo.external_aliases.push_back({static_cast<int32_t>(k), ref->record - static_cast<int32_t>(begin), ref->output});
-  }
+  memo.external_aliases = aliases_after(region, begin);
   if (memos_.size() >= kMaxBackwardMemos) memos_.erase(memos_.begin());
   memos_.push_back(std::move(memo));
   ++backward_stats_.recorded;
@@ -512,14 +530,9 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
       known_.forget(grads_before[j]);  // the graph writes it: no known or fresh value
     }
   }
-  for (const BackwardMemo::Alias& a : memo.external_aliases) {
-    // (A parameter that equals a view the backward made, t(t(weight)) in a linear layer's
-    // backward, is that output from now on, as when the engine ran: its latest one, too.)
-    const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
-    region.set_produced(externals.at(a.external), index, a.output);
-    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), record_copies_.at(index),
-                externals.at(a.external));
-  }
+  // (A parameter that equals a view the backward made, t(t(weight)) in a linear layer's
+  // backward, is that output from now on, as when the engine ran: its latest one, too.)
+  apply_aliases(region, memo.records_before, memo.external_aliases);
   if (!call.keep_graph) release_saved(r);
   flush();
   // A gradient accumulated in place into memory Python can read or write without an op (an

@@ -40,6 +40,10 @@ namespace torch::autograd {
 struct Node;
 }
 
+namespace terra::capture {
+class Region;
+}
+
 namespace terra::runtime {
 
 // One call of the autograd engine, as torch.autograd.backward makes it.
@@ -157,6 +161,10 @@ struct BackwardMemo {
   // replays those numbers only while the arguments are the same (part of the key).
   std::vector<std::pair<int32_t, std::vector<c10::IValue>>> origin_attributes;
 };
+
+// Externals the region resolves to an output of records from `begin` on, by storage, after a
+// recorded call (BackwardMemo::Alias; its record is counted from `begin`).
+std::vector<BackwardMemo::Alias> aliases_after(capture::Region& region, size_t begin);
 
 // A backward() the engine is running op by op, being recorded (PythonRunner::validate adds a step
 // per op). `ineligible`: the first reason it cannot become a memo.

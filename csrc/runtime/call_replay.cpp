@@ -221,11 +221,7 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   }
   for (size_t j = 0; j < r.arguments.size(); ++j)
     memo.version_bumps.push_back(r.arguments[j].defined() ? r.arguments[j]._version() - r.versions_before[j] : 0);
-  for (size_t k = 0; k < externals.size(); ++k) {
-    std::optional<capture::ValueRef> ref = region.produced(externals[k]);
-    if (ref && ref->record >= static_cast<int32_t>(begin))
-      memo.external_aliases.push_back({static_cast<int32_t>(k), ref->record - static_cast<int32_t>(begin), ref->output});
-  }
+  memo.external_aliases = aliases_after(region, begin);  // (a parameter written in place: that output now)
   if (call_memos_.size() >= kMaxCallMemos) call_memos_.erase(call_memos_.begin());
   call_memos_.push_back(std::move(memo));
   ++call_stats_.recorded;
@@ -284,13 +280,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     if (known_values_enabled_) known_.forget(arguments[j]);
     writes_python_memory |= python_writable_memory(arguments[j]);
   }
-  const auto& externals = region.external_tensors();
-  for (const BackwardMemo::Alias& a : memo.external_aliases) {
-    const int32_t index = static_cast<int32_t>(memo.records_before) + a.record;
-    region.set_produced(externals.at(a.external), index, a.output);
-    note_latest(emit::EmittedGraph::publish_tag(record_nodes_.at(index), a.output), record_copies_.at(index),
-                externals.at(a.external));
-  }
+  apply_aliases(region, memo.records_before, memo.external_aliases);
   flush();
   // A write into memory Python can read or write without an op (a parameter whose numpy array
   // the program keeps): the graph runs it before Python goes on, as outputs() does for the op.

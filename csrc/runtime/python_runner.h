@@ -273,6 +273,9 @@ class PythonRunner final : public capture::CoExecHook {
   // A recorded op replayed: its record appended, the cursor stepped, its posts sent, the run
   // noted (and a node that publishes without outputs claimed); returns the record's index.
   int32_t replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step);
+  // After a replay: each external a recorded call left resolved to one of its outputs resolves to
+  // the replayed output, and is its latest one for the loop check.
+  void apply_aliases(capture::Region& region, size_t records_before, const std::vector<BackwardMemo::Alias>& aliases);
   // call_replay.cpp
   CallPath call_per_op(std::string why);
   void call_not_replayable(std::string why);

@@ -30,6 +30,15 @@ def plain_step(model, opt, i, log):
     optimize(opt, F.cross_entropy(model(x), y), log)
 
 
+def loss_and_backward(model, opt, i) -> torch.Tensor:
+    """The start of a step that does more between backward() and step()."""
+    x, y = batch(i)
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    return loss
+
+
 def steps_replayed(r, steps: int = STEPS, untraced: int = 10) -> None:
     """All but `untraced` step() calls were replayed (tracing, the first co-executed ones)."""
     assert r.runner["calls_replayed"] >= steps - untraced, (r.runner, r.reasons)
@@ -52,10 +61,7 @@ def test_a_replayed_step_intercepts_no_op_and_bumps_versions_as_eager():
     handled: list[int] = []
 
     def step(model, opt, i, log):
-        x, y = batch(i)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
+        loss = loss_and_backward(model, opt, i)
         program = getattr(model, "_terra_program", None)
         region = getattr(program, "_region", None)
         before = region.handled if region is not None else None
@@ -209,10 +215,7 @@ def test_a_tensor_learning_rate_keeps_the_step_on_the_per_op_path():
 
 def clipped_step(max_norm: float, **kw: Any):
     def step(model, opt, i, log):
-        x, y = batch(i)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
+        loss = loss_and_backward(model, opt, i)
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, **kw)
         opt.step()
         log.append(loss.detach())
@@ -230,10 +233,7 @@ def test_clip_grad_norm_is_replayed_and_returns_the_norm(kw):
 
 def test_clip_grad_norm_reading_the_norm_in_the_step_stays_exact():
     def step(model, opt, i, log):
-        x, y = batch(i)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
+        loss = loss_and_backward(model, opt, i)
         if torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3) > 0.5:  # a read of the replayed norm
             log.append("hard")
         opt.step()
