@@ -53,6 +53,10 @@ class Explanation:
     # optimize="fused": per compiled segment of the current graph, its report (ops, state, inlined,
     # reason, compiled_runs, interpreted_runs, max_difference); None otherwise.
     segments: list[dict[str, Any]] | None = None
+    # Calls co-execution runs without their Python (docs/RUNTIME.md): {"backward": ..., "calls":
+    # ...}, each {"replayed", "recorded", "per_op", "reason"} (reason: why the last one that was
+    # not replayed was not); empty before co-execution.
+    replays: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The _C.emit.Graph the picture is drawn from; None before any graph was built.
     _graph: Any = field(default=None, repr=False, compare=False)
 
@@ -121,6 +125,12 @@ class Explanation:
                 if s["state"] == "interpreted" and not too_small(s):
                     where = ", in place" if s.get("inlined") else ""
                     out.append(f"    segment {k} ({s['ops']} ops{where}) stays interpreted: {s['reason']}")
+        for what, label in (("backward", "backward()"), ("calls", "optimizer steps and clip_grad_norm_")):
+            r = self.replays.get(what)
+            if r and (r["replayed"] or r["recorded"] or r["per_op"]):
+                line = (f"  {label} without Python: {r['replayed']} replayed, {r['recorded']} recorded, "
+                        f"{r['per_op']} op by op")
+                out.append(line + (f" (last: {r['reason']})" if r["reason"] else ""))
         out.append(f"  fallbacks: {len(self.fallbacks)}")
         # Grouped by line: a site that falls back every iteration is one line to fix, not many.
         sites: dict[str | None, list[Fallback]] = {}
@@ -148,12 +158,14 @@ def explanation_from(
     not_converged: dict[str, Any] | None = None,
     eager_reason: str = "",
     segments: list[dict[str, Any]] | None = None,
+    runner: dict[str, Any] | None = None,
 ) -> Explanation:
     """Build an Explanation from what the runtime holds.
 
     `graph`: a terra_torch.graph.Graph, a _C.emit.Graph, or None. `fallbacks`: Fallback objects
     or (iteration, reason, source_line) tuples. `graph_text` defaults to the graph's own text
-    (pass it when the runtime runs a different, e.g. co-execution, graph)."""
+    (pass it when the runtime runs a different, e.g. co-execution, graph). `runner`: the
+    runtime's counters (Stats.runner), for the replays."""
     # graph.Graph keeps its _C.emit.Graph private; this module is its package sibling.
     native = getattr(graph, "_graph", graph)
     counts: dict[str, Any] = native.structure if native is not None else {}
@@ -168,6 +180,9 @@ def explanation_from(
         not_converged=dict(not_converged) if not_converged else None,
         eager_reason=eager_reason,
         segments=segments,
+        replays={what: {k: runner.get(f"{what}_{k}", 0 if k != "reason" else "")
+                        for k in ("replayed", "recorded", "per_op", "reason")}
+                 for what in ("backward", "calls") if runner and f"{what}_replayed" in runner},
         _graph=native,
     )
 

@@ -674,7 +674,8 @@ class Program:
         return explanation_from(self._session if self._session.num_traces else None, phases, self.fallbacks,
                                 self._session.text or None, not_converged=s.not_converged,
                                 eager_reason=s.eager_reason,
-                                segments=list(fused.report()) if fused is not None else None)
+                                segments=list(fused.report()) if fused is not None else None,
+                                runner=dict(s.runner))
 
     def _record_fallback(self, region: Any) -> Fallback:
         reason, record = self._session.divergence()

@@ -247,3 +247,19 @@ def test_clip_grad_norm_with_error_if_nonfinite_takes_the_per_op_path():
     r = check(sgd(lr=0.3), clipped_step(0.2, error_if_nonfinite=True))
     assert r.runner["calls_replayed"] >= STEPS - 10, r.runner  # (the steps)
     assert r.runner["calls_replayed"] < 2 * (STEPS - 10), r.runner
+
+
+def test_explain_tells_how_many_calls_ran_without_python():
+    torch.manual_seed(0)
+    model, opt = sgd(lr=0.05, momentum=0.9)()
+    wrapped = terra_torch.wrap(model)
+    log: list[Any] = []
+    for i in range(30):
+        plain_step(wrapped, opt, i, log)
+    terra_torch.synchronize()
+    text = str(terra_torch.explain(wrapped))
+    runner = terra_torch.stats(wrapped).runner
+    terra_torch.unwrap(wrapped)
+    assert runner["calls_replayed"] >= 20, runner
+    assert f"optimizer steps and clip_grad_norm_ without Python: {runner['calls_replayed']} replayed" in text, text
+    assert f"backward() without Python: {runner['backward_replayed']} replayed" in text, text
