@@ -24,6 +24,9 @@ import torch
 from terra_torch import _C
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# terra_torch's own Python (the stand-ins of _optimizer.py, the engine of _backward.py) is not the
+# user's line either.
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class Location:
@@ -41,9 +44,9 @@ class Location:
 
     @property
     def user_frame(self) -> str:
-        """The innermost frame outside torch's own Python: the user's line."""
+        """The innermost frame outside torch's and terra_torch's own Python: the user's line."""
         for frame in reversed(self.frames):
-            if not frame.startswith(_TORCH_DIR) and not frame.startswith("backward:"):
+            if not frame.startswith((_TORCH_DIR, _OWN_DIR, "backward:")):
                 return frame
         return self.frames[-1] if self.frames else str(self)
 

@@ -263,3 +263,19 @@ def test_explain_tells_how_many_calls_ran_without_python():
     assert runner["calls_replayed"] >= 20, runner
     assert f"optimizer steps and clip_grad_norm_ without Python: {runner['calls_replayed']} replayed" in text, text
     assert f"backward() without Python: {runner['backward_replayed']} replayed" in text, text
+
+
+def test_a_fallback_inside_a_stand_in_is_not_blamed_on_terra_torch():
+    """clip_grad_norm_ is first called at iteration 20: that iteration falls back, at a line of
+    the function the program called (torch's clip_grad.py: the program's own frame is the
+    iteration's stop frame, which locations start below), not at the stand-in's."""
+    def step(model, opt, i, log):
+        loss = loss_and_backward(model, opt, i)
+        if i >= 20:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        opt.step()
+        log.append(loss.detach())
+
+    r = check(sgd(lr=0.3), step)
+    lines = [line for _, _, line in r.reasons]
+    assert lines and all("clip_grad.py" in line and "terra_torch" not in line for line in lines), r.reasons
