@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import struct
 import types
 import weakref
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from torch.optim import SGD, Optimizer
+from torch.optim import SGD, Adam, Optimizer
 
 from terra_torch import runtime
 
@@ -95,13 +96,47 @@ class _Key:
     state: _KeyState
     values: tuple[Any, ...]
     tensors: list[torch.Tensor | None]
+    # For a body whose ops receive numbers that change every call: given the session, those
+    # numbers in the order the ops use them, and the values of the small tensors it writes
+    # (csrc/runtime/call_replay.h, CallMemo::numbers); None where they cannot be told.
+    numbers: Callable[[Any], tuple[list[float], list[tuple[torch.Tensor, float]]] | None] | None = None
 
 
 def _plain(v: Any) -> Any:
-    """`v` as a key holds it (floats by their bits: -0.0 is not 0.0 here), or raises TypeError."""
+    """`v` as a key holds it (floats by their bits: -0.0 is not 0.0 here; a tuple of such, Adam's
+    betas), or raises TypeError."""
+    if type(v) is tuple:
+        return tuple(_plain(e) for e in v)
     if type(v) not in _PLAIN:
         raise TypeError
     return v.hex() if type(v) is float else v
+
+
+def _hyperparameters(opt: Optimizer) -> list[Any]:
+    """Every param group's hyperparameters by value (raises TypeError where one is not plain)."""
+    values: list[Any] = []
+    for group in opt.param_groups:
+        values += ((name, _plain(v)) for name, v in group.items() if name != "params")
+    return values
+
+
+def _keyed_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optimizer | None:
+    """The optimizer of a step() call a key can stand for: no closure, nothing that makes the
+    step differentiable or scaled."""
+    opt = args[0]
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None or len(args) > 2 or any(k != "closure" for k in kwargs) or \
+            opt.defaults.get("differentiable") or getattr(opt, "grad_scale", None) is not None or \
+            getattr(opt, "found_inf", None) is not None:
+        return None
+    return opt
+
+
+def _key_state(opt: Optimizer) -> _KeyState:
+    state = _optimizer_keys.get(opt)
+    if state is None:
+        state = _optimizer_keys[opt] = _KeyState()
+    return state
 
 
 # ---- SGD.step -----------------------------------------------------------------------------------
@@ -112,33 +147,87 @@ _optimizer_keys: "weakref.WeakKeyDictionary[Optimizer, _KeyState]" = weakref.Wea
 def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
     """What SGD's step reads: the hyperparameters by value, and per parameter the parameter, its
     gradient and its momentum buffer; None where the step cannot be keyed."""
-    opt = args[0]
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")
-    if closure is not None or len(args) > 2 or any(k != "closure" for k in kwargs) or \
-            opt.defaults.get("differentiable") or getattr(opt, "grad_scale", None) is not None or \
-            getattr(opt, "found_inf", None) is not None:
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
         return args, kwargs, None
-    values: list[Any] = []
     tensors: list[torch.Tensor | None] = []
     try:
-        for group in opt.param_groups:
-            values += ((name, _plain(v)) for name, v in group.items() if name != "params")
-            momentum = group["momentum"]
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    tensors += (p, None, None)
-                    continue
-                if g.is_sparse:
-                    return args, kwargs, None
-                state = opt.state.get(p) if momentum != 0 else None
-                tensors += (p, g, state.get("momentum_buffer") if state else None)
+        values = _hyperparameters(opt)
     except TypeError:
         return args, kwargs, None
-    state = _optimizer_keys.get(opt)
-    if state is None:
-        state = _optimizer_keys[opt] = _KeyState()
-    return args, kwargs, _Key(state, tuple(values), tensors)
+    for group in opt.param_groups:
+        momentum = group["momentum"]
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                tensors += (p, None, None)
+                continue
+            if g.is_sparse:
+                return args, kwargs, None
+            state = opt.state.get(p) if momentum != 0 else None
+            tensors += (p, g, state.get("momentum_buffer") if state else None)
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+
+
+# ---- Adam.step (AdamW's too: it inherits it) ------------------------------------------------------
+
+
+def _float32(x: float) -> float:
+    """`x` rounded to float32, as `step_t += 1` on a float32 step counter rounds it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What Adam's single-tensor step (torch/optim/adam.py, `_single_tensor_adam`, the CPU default)
+    reads: the hyperparameters by value, and per parameter the parameter, its gradient, its two
+    moving averages, its amsgrad maximum and its step counter. Its bias corrections follow from the
+    step counters, which Python knows (runtime/known_values.h): the key's numbers."""
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
+        return args, kwargs, None
+    try:
+        values = _hyperparameters(opt)
+    except TypeError:
+        return args, kwargs, None
+    tensors: list[torch.Tensor | None] = []
+    steps: list[tuple[torch.Tensor, float, float, float]] = []  # (counter, lr, beta1, beta2) per parameter with a gradient
+    for group in opt.param_groups:
+        # Only the single-tensor path: foreach and fused ones compute their numbers otherwise, and
+        # capturable and differentiable ones as tensors.
+        if group["foreach"] or group["fused"] or group["capturable"] or group["differentiable"]:
+            return args, kwargs, None
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                tensors += (p, None, None, None, None, None)
+                continue
+            state = opt.state.get(p)
+            # (the first step makes the state; a complex parameter is stepped through real views;
+            # a parameter off the CPU may make foreach the default)
+            if not state or g.is_sparse or p.is_complex() or p.device.type != "cpu":
+                return args, kwargs, None
+            tensors += (p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), state["step"])
+            steps.append((state["step"], group["lr"], beta1, beta2))
+
+    def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
+        known = session.known_numbers([t for t, _, _, _ in steps])
+        if any(v is None for v in known):
+            return None
+        out: list[float] = []
+        after: list[tuple[torch.Tensor, float]] = []
+        for (counter, lr, beta1, beta2), before in zip(steps, known):
+            # As _single_tensor_adam computes them, in the order its ops receive them.
+            step = _float32(before + 1.0)
+            bias_correction1 = 1 - beta1 ** step
+            bias_correction2 = 1 - beta2 ** step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2 ** 0.5
+            out += (bias_correction2_sqrt, -step_size)
+            after.append((counter, step))
+        return out, after
+
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
 
 
 # ---- clip_grad_norm_ ----------------------------------------------------------------------------
@@ -198,9 +287,10 @@ def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
                 not torch.compiler.is_compiling():
             args, kwargs, key = key_of(args, kwargs)
             number = key.state.number(key.values) if key is not None else None
-            if number is not None:
-                region, session = program._region, program._session
-                path, replayed = session.call_begin(region, number, key.tensors)
+            region, session = program._region, program._session
+            numbers = key.numbers(session) if number is not None and key.numbers is not None else ([], [])
+            if number is not None and numbers is not None:
+                path, replayed = session.call_begin(region, number, key.tensors, numbers[0], numbers[1])
                 if path == "replayed":
                     return replayed
         completed = replayable = False
@@ -233,15 +323,16 @@ def install() -> None:
     SGD was made before (torch wraps the class's step at the first); clip_grad_norm_ where
     torch.nn.utils and its clip_grad module name it (a program that imported the name before
     terra_torch keeps torch's own)."""
-    current = SGD.__dict__["step"]
-    if getattr(current, "hooked", False):
-        inner = current.__wrapped__
-        if not getattr(inner, "_terra_stand_in", False):
-            hooked = Optimizer.profile_hook_step(_stand_in(inner, _sgd_key))
-            hooked.hooked = True  # type: ignore[attr-defined]
-            SGD.step = hooked  # type: ignore[method-assign]
-    elif not getattr(current, "_terra_stand_in", False):
-        SGD.step = _stand_in(current, _sgd_key)  # type: ignore[method-assign]
+    for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key)):
+        current = cls.__dict__["step"]
+        if getattr(current, "hooked", False):
+            inner = current.__wrapped__
+            if not getattr(inner, "_terra_stand_in", False):
+                hooked = Optimizer.profile_hook_step(_stand_in(inner, key_of))
+                hooked.hooked = True  # type: ignore[attr-defined]
+                cls.step = hooked  # type: ignore[method-assign]
+        elif not getattr(current, "_terra_stand_in", False):
+            cls.step = _stand_in(current, key_of)  # type: ignore[method-assign]
     clip = torch.nn.utils.clip_grad.clip_grad_norm_
     if not getattr(clip, "_terra_stand_in", False):
         stand_in = _stand_in(clip, _clip_key)

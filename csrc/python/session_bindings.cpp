@@ -171,7 +171,8 @@ void init_session(py::module_& m) {
           py::arg("region"), py::arg("completed"))
       .def(
           "call_begin",
-          [](Session& s, capture::Region& region, int64_t key, const std::vector<std::optional<at::Tensor>>& arguments)
+          [](Session& s, capture::Region& region, int64_t key, const std::vector<std::optional<at::Tensor>>& arguments,
+             const std::vector<double>& numbers, const std::vector<std::pair<at::Tensor, double>>& known_after)
               -> py::tuple {
             if (!s.has_runner()) return py::make_tuple("per_op", py::none());
             std::vector<at::Tensor> tensors;
@@ -181,7 +182,7 @@ void init_session(py::module_& m) {
             at::Tensor result;
             {
               py::gil_scoped_release no_gil;  // posts and value-table locks, as on the per-op path
-              path = s.runner().begin_call(region, key, tensors, result);
+              path = s.runner().begin_call(region, key, tensors, numbers, known_after, result);
             }
             switch (path) {
               case runtime::PythonRunner::CallPath::kReplayed:
@@ -192,9 +193,26 @@ void init_session(py::module_& m) {
                 return py::make_tuple("per_op", py::none());
             }
           },
-          py::arg("region"), py::arg("key"), py::arg("arguments"),
+          py::arg("region"), py::arg("key"), py::arg("arguments"), py::arg("numbers") = std::vector<double>(),
+          py::arg("known_after") = std::vector<std::pair<at::Tensor, double>>(),
           "A keyed call in co-execution, an optimizer's step() (csrc/runtime/call_replay.h): ('replayed', "
           "what it returns; do not run it), ('recording', None) or ('per_op', None) (run it, then call_end)")
+      .def(
+          "known_numbers",
+          [](Session& s, const std::vector<std::optional<at::Tensor>>& tensors) -> py::list {
+            py::list out;
+            if (!s.has_runner()) {
+              for (size_t i = 0; i < tensors.size(); ++i) out.append(py::none());
+              return out;
+            }
+            std::vector<at::Tensor> ts;
+            for (const auto& t : tensors) ts.push_back(t.value_or(at::Tensor()));
+            for (const auto& v : s.runner().known_numbers(ts)) out.append(v ? py::cast(*v) : py::none());
+            return out;
+          },
+          py::arg("tensors"),
+          "The values Python knows for these one-element tensors (optimizer step counters), read without an op "
+          "and without waiting for the graph; None where it knows none")
       .def(
           "call_end",
           [](Session& s, capture::Region& region, bool completed, bool replayable, py::object result) {

@@ -347,7 +347,8 @@ std::string PythonRunner::recorded_step(const capture::Region& region, const tra
   return {};
 }
 
-int32_t PythonRunner::replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step) {
+int32_t PythonRunner::replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step,
+                                c10::ArrayRef<double> numbers) {
   const int32_t index = region.append_record(rec);
   const trace::Match m = cursor_.step(step.key, step.loops);
   TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed op (",
@@ -359,9 +360,12 @@ int32_t PythonRunner::replay_op(capture::Region& region, const capture::OpRecord
   const auto& externals = region.external_tensors();
   for (const ReplayPost& p : step.posts) {
     switch (p.kind) {
-      case ReplayPost::Kind::kDecision:
-        post({Post::Kind::kDecision, p.key, p.value, {}});
+      case ReplayPost::Kind::kDecision: {
+        int64_t value = p.value;
+        if (p.parameter >= 0) std::memcpy(&value, &numbers[p.parameter], sizeof value);  // (a float's bits)
+        post({Post::Kind::kDecision, p.key, value, {}});
         break;
+      }
       case ReplayPost::Kind::kFeedNone:
         post(feed(p.key, at::Tensor()));
         break;

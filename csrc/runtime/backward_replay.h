@@ -97,6 +97,9 @@ struct ReplayPost {
   int64_t key = 0;
   int64_t value = 0;
   int32_t external = -1;
+  // A fed float a call replay takes from its caller (runtime/call_replay.h, CallMemo::numbers):
+  // the caller's number `parameter`, not `value`.
+  int32_t parameter = -1;
 };
 
 // One backward op as the PythonRunner validated it: the cursor step and the posts after it.

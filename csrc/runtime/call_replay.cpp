@@ -4,10 +4,12 @@
 // same ops, so its half lives here as PythonRunner members.
 #include "runtime/call_replay.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "capture/placeholder.h"
 #include "capture/region.h"
@@ -15,6 +17,7 @@
 #include "emit/emitted_graph.h"
 #include "runtime/feed_snapshot.h"
 #include "runtime/python_runner.h"
+#include "capture/op_arguments.h"
 #include "runtime/runner_helpers.h"
 #include "trace/hash.h"
 
@@ -51,6 +54,52 @@ bool same_argument(const CallArgument& memo, const CallArgument& now, const at::
   return false;
 }
 
+// Two recordings of a call with numbers (CallMemo::numbers) are the same call: the same ops and
+// posts, the caller's numbers in the same places, and every other number the same.
+bool same_but_numbers(const CallMemo& a, const CallMemo& b) {
+  if (a.steps.size() != b.steps.size() || a.externals_read.size() != b.externals_read.size() ||
+      a.argument_outputs.size() != b.argument_outputs.size() || a.version_bumps != b.version_bumps ||
+      a.written != b.written || a.result_record != b.result_record)
+    return false;
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    const ReplayStep& x = a.steps[i];
+    const ReplayStep& y = b.steps[i];
+    if (x.node != y.node || x.posts.size() != y.posts.size() || !(a.records[i].op.operator_name() == b.records[i].op.operator_name())) return false;
+    for (size_t k = 0; k < x.posts.size(); ++k) {
+      const ReplayPost& p = x.posts[k];
+      const ReplayPost& q = y.posts[k];
+      if (p.kind != q.kind || p.key != q.key || p.external != q.external || p.parameter != q.parameter ||
+          (p.parameter < 0 && p.value != q.value))
+        return false;
+    }
+  }
+  for (size_t k = 0; k < a.externals_read.size(); ++k) {
+    const CallExternal& e = a.externals_read[k];
+    const CallExternal& f = b.externals_read[k];
+    if (e.external != f.external || e.argument != f.argument || e.parameter != f.parameter ||
+        e.number.defined() != f.number.defined())
+      return false;
+    if (e.parameter < 0 && e.number.defined() &&
+        (e.number.scalar_type() != f.number.scalar_type() ||
+         std::memcmp(e.number.data_ptr(), f.number.data_ptr(), e.number.element_size()) != 0))
+      return false;
+  }
+  return true;
+}
+
+// A Python number as the arg parser wraps it, of `recorded`'s dtype: `value`, or `recorded`'s own.
+// Made without the dispatcher (a clone through it, autograd included, was half of a replayed
+// Adam step: each parameter's step reads three such numbers).
+at::Tensor wrapped_number(const at::Tensor& recorded, const double* value) {
+  at::Tensor t = at::detail::empty_cpu({}, recorded.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (value != nullptr)  // (only doubles are the caller's numbers: assign_numbers)
+    *t.data_ptr<double>() = *value;
+  else
+    std::memcpy(t.data_ptr(), recorded.data_ptr(), recorded.element_size());
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
 int32_t argument_holding(const std::vector<at::Tensor>& arguments, const c10::TensorImpl* impl) {
   for (size_t j = 0; j < arguments.size(); ++j)
     if (arguments[j].defined() && arguments[j].unsafeGetTensorImpl() == impl) return static_cast<int32_t>(j);
@@ -69,8 +118,23 @@ void PythonRunner::call_not_replayable(std::string why) {
   if (call_recording_ && call_recording_->ineligible.empty()) call_recording_->ineligible = std::move(why);
 }
 
+std::vector<std::optional<double>> PythonRunner::known_numbers(const std::vector<at::Tensor>& tensors) {
+  known_.settle();
+  std::vector<std::optional<double>> out;
+  out.reserve(tensors.size());
+  capture::SuspendGuard not_the_programs;  // (item() of a private copy is no op of the program)
+  for (const at::Tensor& t : tensors) {
+    std::optional<at::Tensor> v = t.defined() && known_values_enabled_ ? known_.known(t) : std::nullopt;
+    out.push_back(v && v->numel() == 1 ? std::optional<double>(v->item<double>()) : std::nullopt);
+  }
+  return out;
+}
+
 PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t caller_key,
-                                                const std::vector<at::Tensor>& arguments, at::Tensor& result) {
+                                                const std::vector<at::Tensor>& arguments,
+                                                const std::vector<double>& numbers,
+                                                const std::vector<std::pair<at::Tensor, double>>& known_after,
+                                                at::Tensor& result) {
   call_recording_.reset();
   if (!in_iteration_ || diverged_ || region.mode() != capture::Mode::CoExec)
     return CallPath::kPerOp;  // not co-executing: the call runs as in eager (not counted)
@@ -86,7 +150,8 @@ PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t
   std::vector<const c10::TensorImpl*> fresh;  // (scratch of matches)
   auto matches = [&](const CallMemo& m) {
     if (m.path != key.path || m.caller_key != key.caller_key || m.records_before != key.records_before ||
-        m.externals_before != key.externals_before || m.arguments.size() != key.arguments.size())
+        m.externals_before != key.externals_before || m.arguments.size() != key.arguments.size() ||
+        m.numbers != numbers.size())
       return false;
     for (size_t j = 0; j < m.arguments.size(); ++j)
       if (!same_argument(m.arguments[j], key.arguments[j], arguments[j])) return false;
@@ -110,9 +175,14 @@ PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t
       if (std::binary_search(fresh.begin(), fresh.end(), t.unsafeGetTensorImpl())) return false;
     return true;
   };
+  uint64_t confirms = 0;
   for (const CallMemo& m : call_memos_) {
     if (!matches(m)) continue;
-    result = replay_call(region, m, arguments);
+    if (!m.confirmed) {  // (recorded once with other numbers: this recording may confirm it)
+      confirms = m.id;
+      break;
+    }
+    result = replay_call(region, m, arguments, numbers, known_after);
     ++call_stats_.replayed;
     return CallPath::kReplayed;
   }
@@ -122,6 +192,9 @@ PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t
   for (size_t j = 0; j < arguments.size(); ++j)
     if (key.arguments[j].kind == CallArgument::Kind::kTensor) key.arguments[j].impl.emplace(arguments[j].getIntrusivePtr());
   rec->memo = std::move(key);
+  rec->memo.numbers = numbers.size();
+  rec->numbers = numbers;
+  rec->confirms = confirms;
   rec->arguments = arguments;
   for (const at::Tensor& t : arguments) rec->versions_before.push_back(t.defined() ? t._version() : 0);
   rec->sequence_before = at::sequence_number::peek();
@@ -133,7 +206,20 @@ void PythonRunner::record_call_step(const capture::Region& region, const trace::
                                     bool runs_real) {
   CallRecording& r = *call_recording_;
   if (!r.ineligible.empty()) return;
-  if (runs_real) return call_not_replayable("an op of the call needs data");
+  if (runs_real) {
+    // An op that ran here on values Python knew and only answers a number (Adam's
+    // `_get_value(step_t)`, an item() of a known step counter) changes nothing a replay must
+    // redo: its record and posts are replayed like any other's. Anything else that needs data
+    // does.
+    const c10::OperatorHandle& op = region.trace().ops.back().op;
+    bool returns_tensor = false;
+    for (const c10::Argument& a : op.schema().returns()) returns_tensor |= a.type()->kind() != c10::TypeKind::NumberType &&
+                                                                          a.type()->kind() != c10::TypeKind::FloatType &&
+                                                                          a.type()->kind() != c10::TypeKind::IntType &&
+                                                                          a.type()->kind() != c10::TypeKind::BoolType;
+    if (returns_tensor || capture::writes_an_argument(op.schema()))
+      return call_not_replayable("an op of the call needs data");
+  }
   // (Fed numbers too: the caller's key stands for the Python numbers the ops receive.)
   std::string why = recorded_step(region, key, node, r.memo.steps.emplace_back(), [] { return std::string(); });
   if (!why.empty()) call_not_replayable(std::move(why));
@@ -148,6 +234,8 @@ void PythonRunner::note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> ou
     if (j >= 0)
       r.memo.argument_outputs.push_back(
           {index - static_cast<int32_t>(r.memo.records_before), static_cast<uint32_t>(k), j});
+    else
+      r.made.push_back(outputs[k].unsafeGetTensorImpl());
   }
 }
 
@@ -155,6 +243,8 @@ void PythonRunner::note_call_write(const at::Tensor& t) {
   CallRecording& r = *call_recording_;
   if (!r.ineligible.empty()) return;
   const int32_t j = argument_holding(r.arguments, t.unsafeGetTensorImpl());
+  if (j < 0 && std::find(r.made.begin(), r.made.end(), t.unsafeGetTensorImpl()) != r.made.end())
+    return;  // (a temporary of the call)
   // (A write the replay could not name: its tensor would keep a stale known value.)
   if (j < 0) return call_not_replayable("the call writes a tensor that is none of its arguments");
   if (std::find(r.memo.written.begin(), r.memo.written.end(), j) == r.memo.written.end()) r.memo.written.push_back(j);
@@ -193,8 +283,7 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
       if (e.argument < 0) {
         if (static_cast<size_t>(k) < memo.externals_before || !t.unsafeGetTensorImpl()->is_wrapped_number())
           return give_up("the call reads a tensor from outside the iteration that is none of its arguments");
-        capture::SuspendGuard not_the_programs;
-        e.number = t.clone();  // (a value of its own: the op's wrapped number dies with the call)
+        e.number = wrapped_number(t, nullptr);  // (a value of its own: the op's wrapped number dies with the call)
       }
       memo.externals_read.push_back(std::move(e));
     }
@@ -208,6 +297,8 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   }
   if (next != externals.size()) return give_up("the call made an external it does not read");
 
+  if (!r.numbers.empty() && !assign_numbers(memo, r.numbers))
+    return give_up("the call's ops received other numbers than its caller computed");
   if (result.defined()) {
     // (a placeholder one of the call's ops made, and nothing else: a replay makes it again)
     std::optional<capture::ValueRef> ref = region.produced(result);
@@ -222,14 +313,51 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   for (size_t j = 0; j < r.arguments.size(); ++j)
     memo.version_bumps.push_back(r.arguments[j].defined() ? r.arguments[j]._version() - r.versions_before[j] : 0);
   memo.external_aliases = aliases_after(region, begin);  // (a parameter written in place: that output now)
+  ++call_stats_.recorded;
+  if (r.confirms != 0) {
+    auto first = std::find_if(call_memos_.begin(), call_memos_.end(), [&](const CallMemo& m) { return m.id == r.confirms; });
+    if (first != call_memos_.end()) {
+      if (same_but_numbers(*first, memo)) {
+        first->confirmed = true;
+        return true;
+      }
+      call_memos_.erase(first);  // (this recording, unconfirmed, takes its place)
+    }
+  }
+  memo.confirmed = memo.numbers == 0;
+  memo.id = ++call_memo_ids_;
   if (call_memos_.size() >= kMaxCallMemos) call_memos_.erase(call_memos_.begin());
   call_memos_.push_back(std::move(memo));
-  ++call_stats_.recorded;
   return true;
 }
 
+bool PythonRunner::assign_numbers(CallMemo& memo, const std::vector<double>& numbers) {
+  // The fed floats in program order: each op's posts, a wrapped number through its feed.
+  size_t next = 0;
+  auto take = [&](double v) -> int32_t {
+    if (next >= numbers.size() || std::memcmp(&v, &numbers[next], sizeof v) != 0) return -1;
+    return static_cast<int32_t>(next++);
+  };
+  for (ReplayStep& step : memo.steps)
+    for (ReplayPost& p : step.posts) {
+      if (p.kind == ReplayPost::Kind::kDecision && is_scalar_key(p.key)) {
+        double v;
+        std::memcpy(&v, &p.value, sizeof v);
+        p.parameter = take(v);
+      } else if (p.kind == ReplayPost::Kind::kFeed) {
+        for (CallExternal& e : memo.externals_read)
+          if (e.external == p.external && e.argument < 0 && e.number.defined() &&
+              e.number.scalar_type() == at::kDouble)  // (a Python float, as the arg parser wraps it)
+            e.parameter = take(*e.number.data_ptr<double>());
+      }
+    }
+  return next == numbers.size();
+}
+
+
 at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& memo,
-                                     const std::vector<at::Tensor>& arguments) {
+                                     const std::vector<at::Tensor>& arguments, const std::vector<double>& numbers,
+                                     const std::vector<std::pair<at::Tensor, double>>& known_after) {
   known_.settle();
   at::Tensor result;
   // The externals first read in the call, made in the recorded order (value_of numbers them).
@@ -239,9 +367,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     if (e.argument >= 0) {
       t = arguments.at(e.argument);
     } else {
-      capture::SuspendGuard not_the_programs;
-      t = e.number.clone();
-      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      t = wrapped_number(e.number, e.parameter >= 0 ? &numbers.at(e.parameter) : nullptr);
     }
     const capture::ValueRef got = region.value_of(t);
     TORCH_CHECK(got.external == e.external, "terra_torch internal error: a replayed call's external input ", e.external,
@@ -250,7 +376,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
   for (size_t i = 0; i < memo.steps.size(); ++i) {
     const capture::OpRecord& mrec = memo.records[i];
     const ReplayStep& step = memo.steps[i];
-    const int32_t index = replay_op(region, mrec, step);
+    const int32_t index = replay_op(region, mrec, step, numbers);
     // Outputs that are arguments, or the call's result, are claimed as claim_outputs() claims
     // them; the others are temporaries of the call, dead by its end (only their place in the
     // output sequence).
@@ -281,6 +407,10 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     writes_python_memory |= python_writable_memory(arguments[j]);
   }
   apply_aliases(region, memo.records_before, memo.external_aliases);
+  if (known_values_enabled_) {
+    capture::SuspendGuard not_the_programs;
+    for (const auto& [t, v] : known_after) known_.teach(t, at::scalar_tensor(v, t.options()));
+  }
   flush();
   // A write into memory Python can read or write without an op (a parameter whose numpy array
   // the program keeps): the graph runs it before Python goes on, as outputs() does for the op.

@@ -14,6 +14,9 @@
 //     iteration 3 (first co-executed): opt.step() -> 6 ops validated, memo recorded
 //     iteration 4..: opt.step() -> replay: 6 records appended, their posts sent, 6 version bumps
 //
+// Numbers a call's ops receive that change every call (Adam's step size follows from the step
+// count) are the caller's to compute and pass; the memo names which fed floats they are.
+//
 // A call may return a tensor one of its ops made (torch.nn.utils.clip_grad_norm_ returns the total
 // norm): a replay returns a new placeholder of it, as the op would have.
 //
@@ -57,7 +60,8 @@ struct CallArgument {
 struct CallExternal {
   int32_t external = -1;
   int32_t argument = -1;
-  at::Tensor number;  // the wrapped number's value (argument < 0)
+  at::Tensor number;       // the wrapped number's value (argument < 0)
+  int32_t parameter = -1;  // or the caller's number `parameter` (CallMemo::numbers)
 };
 
 // A recorded call and the key under which it replays.
@@ -86,6 +90,14 @@ struct CallMemo {
   // co-execution, where its kernel, which bumps them, does not run).
   std::vector<int32_t> written;
   std::vector<BackwardMemo::Alias> external_aliases;
+  // Numbers the caller computes per call (Adam's bias corrections follow from the step count):
+  // how many it passes. Each fed float of the ops, in program order, that equals the caller's
+  // next number is that number (ReplayPost::parameter, CallExternal::parameter); the others are
+  // constants. A memo with numbers is trusted (`confirmed`) only once a second recording, with
+  // other numbers, made the same assignment and kept every other number the same.
+  size_t numbers = 0;
+  bool confirmed = true;
+  uint64_t id = 0;  // (which memo a confirming recording compares with)
   // The tensor the call returned, an output of one of its records (clip_grad_norm_'s total norm),
   // made again as a placeholder in a replay; record -1: it returned none.
   int32_t result_record = -1;
@@ -97,7 +109,12 @@ struct CallMemo {
 struct CallRecording {
   CallMemo memo;
   std::vector<at::Tensor> arguments;  // held for the call only
+  std::vector<double> numbers;
+  uint64_t confirms = 0;              // the id of the unconfirmed memo this recording may confirm
   std::vector<int64_t> versions_before;
+  // Every tensor the call's ops made (a write into one is into a temporary of the call: Adam's
+  // `denom.add_(eps)`). Addresses only: they are compared while the call runs.
+  std::vector<const c10::TensorImpl*> made;
   uint64_t sequence_before = 0;
   std::string ineligible;
 };

@@ -102,6 +102,13 @@ class KnownValues {
   // of `written` (the tensors the op writes in place, list elements flattened, in schema order).
   void follow(const c10::OperatorHandle& op, torch::jit::Stack& known, c10::ArrayRef<at::Tensor> written,
               c10::ArrayRef<at::Tensor> outputs);
+  // The value Python knows for `t`, if any (a private copy: never written by the graph).
+  std::optional<at::Tensor> known(const at::Tensor& t) const {
+    const Known* k = find(t);
+    return k != nullptr ? std::optional<at::Tensor>(k->value) : std::nullopt;
+  }
+  // `t` holds `v` now (a call replay wrote it with a value its caller computed).
+  void teach(const at::Tensor& t, const at::Tensor& v) { learn_value(t, v); }
   // `t` is written by an op Python does not follow.
   void forget(const at::Tensor& t) {
     if (!t.defined()) return;

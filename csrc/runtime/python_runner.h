@@ -140,8 +140,15 @@ class PythonRunner final : public capture::CoExecHook {
   // `caller_key`: equal only where the function would issue the same ops with the same Python
   // numbers for these `arguments` (undefined: None). Replayed, `result` is what the call
   // returns (undefined: None).
+  // `numbers`: the floats the function computes in this call that change from call to call
+  // (CallMemo::numbers); `known_after`: values small tensors it writes will have (Adam's step
+  // counters), which Python knows without waiting once a replay has written them.
   CallPath begin_call(capture::Region& region, int64_t caller_key, const std::vector<at::Tensor>& arguments,
-                      at::Tensor& result);
+                      const std::vector<double>& numbers,
+                      const std::vector<std::pair<at::Tensor, double>>& known_after, at::Tensor& result);
+  // The values Python knows for `tensors` (runtime/known_values.h), without an op; nullopt where
+  // it knows none or a tensor has more than one element.
+  std::vector<std::optional<double>> known_numbers(const std::vector<at::Tensor>& tensors);
   // After the function returned `result` (undefined: None, or not a tensor) (`completed`) or
   // raised; `replayable` false: the caller saw it change Python state a replay would not (a
   // momentum buffer made).
@@ -272,7 +279,9 @@ class PythonRunner final : public capture::CoExecHook {
                             ReplayStep& step, c10::function_ref<std::string()> fed_number);
   // A recorded op replayed: its record appended, the cursor stepped, its posts sent, the run
   // noted (and a node that publishes without outputs claimed); returns the record's index.
-  int32_t replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step);
+  // `numbers`: the values of parameterized posts (ReplayPost::parameter).
+  int32_t replay_op(capture::Region& region, const capture::OpRecord& rec, const ReplayStep& step,
+                    c10::ArrayRef<double> numbers = {});
   // After a replay: each external a recorded call left resolved to one of its outputs resolves to
   // the replayed output, and is its latest one for the loop check.
   void apply_aliases(capture::Region& region, size_t records_before, const std::vector<BackwardMemo::Alias>& aliases);
@@ -282,7 +291,11 @@ class PythonRunner final : public capture::CoExecHook {
   void record_call_step(const capture::Region& region, const trace::OpKey& key, trace::NodeId node, bool runs_real);
   void note_call_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   void note_call_write(const at::Tensor& t);
-  at::Tensor replay_call(capture::Region& region, const CallMemo& memo, const std::vector<at::Tensor>& arguments);
+  at::Tensor replay_call(capture::Region& region, const CallMemo& memo, const std::vector<at::Tensor>& arguments,
+                         const std::vector<double>& numbers,
+                         const std::vector<std::pair<at::Tensor, double>>& known_after);
+  // Which fed floats of a recorded call are the caller's numbers; false if not all were used.
+  bool assign_numbers(CallMemo& memo, const std::vector<double>& numbers);
 
   emit::CapturedProgram& program_;
   const std::vector<std::vector<std::string>>* node_frames_;
@@ -364,6 +377,7 @@ class PythonRunner final : public capture::CoExecHook {
   // step(): the call being recorded, and the memos of this graph.
   std::unique_ptr<CallRecording> call_recording_;
   std::vector<CallMemo> call_memos_;
+  uint64_t call_memo_ids_ = 0;
   CallStats call_stats_;
   KnownValues known_;
   // An admitted op whose arguments Python knew (admit -> outputs, which follows them to the op's

@@ -279,3 +279,52 @@ def test_a_fallback_inside_a_stand_in_is_not_blamed_on_terra_torch():
     r = check(sgd(lr=0.3), step)
     lines = [line for _, _, line in r.reasons]
     assert lines and all("clip_grad.py" in line and "terra_torch" not in line for line in lines), r.reasons
+
+
+# ---- Adam and AdamW -----------------------------------------------------------------------------
+
+
+def adam(cls=torch.optim.Adam, **kw: Any) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer]]:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        return model, cls(model.parameters(), **kw)
+    return make
+
+
+@pytest.mark.parametrize("make", [
+    adam(lr=1e-2),
+    adam(lr=1e-2, weight_decay=1e-2, amsgrad=True),
+    adam(torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.95)),
+    adam(lr=3e-3, maximize=True, eps=1e-6),
+], ids=["adam", "decay-amsgrad", "adamw", "maximize-eps"])
+def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
+    """Adam's step sizes change every step (bias corrections of the step count): the stand-in
+    computes them from the step counters Python knows, the replay feeds them."""
+    states = []
+
+    def step(model, opt, i, log):
+        plain_step(model, opt, i, log)
+        if i == STEPS - 1:
+            states.append([float(opt.state[p]["step"]) for p in model.parameters()])
+
+    r = check(make, step, max_fallbacks=1)  # (the last iteration reads the counters: a new path)
+    assert states[0] == states[1] == [float(STEPS)] * len(states[0])
+    # The first co-executed steps are recorded twice (a memo with numbers is trusted once a
+    # second recording agrees), the rest replayed.
+    steps_replayed(r, untraced=12)
+
+
+def test_adam_with_a_learning_rate_changed_by_a_scheduler_stays_exact():
+    schedulers = []
+
+    def make():
+        model, opt = adam(lr=1e-2)()
+        schedulers.append(torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3))
+        return model, opt
+
+    def step(model, opt, i, log):
+        plain_step(model, opt, i, log)
+        schedulers[-1].step()
+
+    r = check(make, step)
+    assert r.runner["calls_replayed"] >= STEPS // 2, r.runner
