@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import terra_torch
+import terra_torch._optimizer
 
 STEPS = 60
 WARMUP = 6  # iterations a program may trace before it co-executes
@@ -128,9 +129,12 @@ class Stack(nn.Module):
         return x
 
 
-def test_adam_step_counters_are_read_without_waiting_for_the_graph():
+@pytest.mark.parametrize("replay", [False, True], ids=["per-op-steps", "replayed-steps"])
+def test_adam_step_counters_are_read_without_waiting_for_the_graph(replay, monkeypatch):
     """Single-tensor Adam reads every parameter's step counter (.item()) each step: after the
-    first read the Python side answers them itself (known values), bitwise."""
+    first read the Python side answers them itself (known values), bitwise. A replayed step
+    (terra_torch/_optimizer.py) reads them without an op, for its numbers."""
+    monkeypatch.setattr(terra_torch._optimizer, "enabled", replay)
 
     def make():
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -143,7 +147,9 @@ def test_adam_step_counters_are_read_without_waiting_for_the_graph():
 
     r = check(make, step)
     runner = r.stats.runner
-    assert runner["known_reads"] >= 4 * (STEPS - 2 * WARMUP), runner  # 4 parameters, one read each
+    # 4 parameters, one read each per step the body runs
+    assert runner["known_reads"] + 4 * runner["calls_replayed"] >= 4 * (STEPS - 2 * WARMUP), runner
+    assert (runner["calls_replayed"] >= STEPS - 2 * WARMUP) == replay, runner
     assert runner["python_reads"] <= 4 * 3, runner  # the first reads of each graph build wait
 
 
