@@ -1,5 +1,5 @@
-"""optimizer.step() and clip_grad_norm_ in co-execution without their Python (docs/RUNTIME.md,
-"optimizer.step() in co-execution"; csrc/runtime/call_replay.h).
+"""optimizer.step() (SGD, Adam, AdamW) and clip_grad_norm_ in co-execution without their Python
+(docs/RUNTIME.md, "optimizer.step() in co-execution"; csrc/runtime/call_replay.h).
 
 `torch.optim.SGD.step` issues the same in-place ops every iteration (`param.add_(grad,
 alpha=-lr)`, with momentum `buf.mul_(momentum).add_(grad, alpha=1 - dampening)` first), and
@@ -14,10 +14,11 @@ a new placeholder) and the body does not run; otherwise the body runs as always 
 records what it did. Outside co-execution the stand-ins only forward.
 
 The key the runtime cannot see for itself is the Python numbers the ops receive: they follow from
-the hyperparameters (SGD's param groups; clip's max_norm, norm_type and flags), compared here by
+the hyperparameters (the param groups; clip's max_norm, norm_type and flags), compared here by
 value (floats bit for bit). Tensors are the runtime's to compare: each parameter, its gradient and
-its momentum buffer (or None). A call whose Python state changes (the first step, which makes the
-momentum buffers) is not kept.
+its optimizer state (or None). A call whose Python state changes (the first step, which makes the
+momentum buffers) is not kept. Adam's numbers also change every step (bias corrections of the step
+count): the stand-in computes them from the step counters Python knows and passes them along.
 """
 
 from __future__ import annotations
