@@ -117,19 +117,25 @@ def test_step_hooks_run_every_step_while_the_body_is_replayed():
     steps_replayed(terra)
 
 
-def test_a_learning_rate_that_changes_now_and_then_records_again_and_replays():
+def scheduled(make_model: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], scheduler: Callable[..., Any]):
+    """`make_model`'s optimizer under a learning-rate scheduler stepped after every step: (make, step)."""
     schedulers = []
 
     def make():
-        model, opt = sgd(lr=0.1, momentum=0.9)()
-        schedulers.append(torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5))
+        model, opt = make_model()
+        schedulers.append(scheduler(opt))
         return model, opt
 
     def step(model, opt, i, log):
         plain_step(model, opt, i, log)
         schedulers[-1].step()
 
-    r = check(make, step)
+    return make, step
+
+
+def test_a_learning_rate_that_changes_now_and_then_records_again_and_replays():
+    r = check(*scheduled(sgd(lr=0.1, momentum=0.9),
+                         lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)))
     # One recording per learning rate (4 of them in 60 steps; a new one also makes the graph feed
     # it: the program traces again, and the new graph records its own).
     assert r.runner["calls_recorded"] >= 4, r.runner
@@ -138,18 +144,7 @@ def test_a_learning_rate_that_changes_now_and_then_records_again_and_replays():
 
 def test_a_learning_rate_scheduled_every_step_stays_exact():
     """Every step has a new learning rate: no memo repeats; the stand-in backs off to the body."""
-    schedulers = []
-
-    def make():
-        model, opt = sgd(lr=0.1)()
-        schedulers.append(torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97))
-        return model, opt
-
-    def step(model, opt, i, log):
-        plain_step(model, opt, i, log)
-        schedulers[-1].step()
-
-    r = check(make, step)
+    r = check(*scheduled(sgd(lr=0.1), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     assert r.runner["calls_replayed"] == 0, r.runner
     assert r.runner["calls_recorded"] <= _optimizer.CHANGES_BEFORE_BACKOFF + 2, r.runner
 
@@ -315,16 +310,5 @@ def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
 
 
 def test_adam_with_a_learning_rate_changed_by_a_scheduler_stays_exact():
-    schedulers = []
-
-    def make():
-        model, opt = adam(lr=1e-2)()
-        schedulers.append(torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3))
-        return model, opt
-
-    def step(model, opt, i, log):
-        plain_step(model, opt, i, log)
-        schedulers[-1].step()
-
-    r = check(make, step)
+    r = check(*scheduled(adam(lr=1e-2), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3)))
     assert r.runner["calls_replayed"] >= STEPS // 2, r.runner
