@@ -286,7 +286,10 @@ def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
         path = key = None
         if enabled and program is not None and program.phase == "coexec" and program._region is not None and \
                 not torch.compiler.is_compiling():
-            args, kwargs, key = key_of(args, kwargs)
+            try:
+                args, kwargs, key = key_of(args, kwargs)
+            except (AttributeError, KeyError, TypeError, ValueError):  # (an optimizer unlike torch's)
+                key = None
             number = key.state.number(key.values) if key is not None else None
             region, session = program._region, program._session
             numbers = key.numbers(session) if number is not None and key.numbers is not None else ([], [])
@@ -303,7 +306,10 @@ def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
             result = body(*args, **kwargs)
             completed = True
             if path == "recording":
-                after = key_of(args, kwargs)[2]
+                try:
+                    after = key_of(args, kwargs)[2]
+                except (AttributeError, KeyError, TypeError, ValueError):
+                    after = None
                 replayable = after is not None and after.values == key.values and \
                     len(after.tensors) == len(key.tensors) and \
                     all(a is b for a, b in zip(after.tensors, key.tensors)) and \

@@ -135,7 +135,7 @@ PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t
                                                 const std::vector<double>& numbers,
                                                 const std::vector<std::pair<at::Tensor, double>>& known_after,
                                                 at::Tensor& result) {
-  call_recording_.reset();
+  if (call_recording_) return call_per_op("called inside another call being recorded");  // (it records this one's ops)
   if (!in_iteration_ || diverged_ || region.mode() != capture::Mode::CoExec)
     return CallPath::kPerOp;  // not co-executing: the call runs as in eager (not counted)
   if (recording_) return call_per_op("called inside a backward() being recorded");

@@ -312,3 +312,20 @@ def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
 def test_adam_with_a_learning_rate_changed_by_a_scheduler_stays_exact():
     r = check(*scheduled(adam(lr=1e-2), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3)))
     assert r.runner["calls_replayed"] >= STEPS // 2, r.runner
+
+
+def test_a_subclass_step_that_clips_then_calls_super_replays_both():
+    """A subclass whose own step calls clip_grad_norm_ per group, then SGD's step: both stand-ins
+    run in turn inside it, and both replay."""
+    class ClippingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                torch.nn.utils.clip_grad_norm_(group["params"], 0.2)
+            return super().step(closure)
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        return model, ClippingSGD(model.parameters(), lr=0.3, momentum=0.9)
+
+    r = check(make, plain_step)
+    assert r.runner["calls_replayed"] >= 2 * (STEPS - 10), r.runner
