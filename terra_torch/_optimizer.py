@@ -206,7 +206,8 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
             state = opt.state.get(p)
             # (the first step makes the state; a complex parameter is stepped through real views;
             # a parameter off the CPU may make foreach the default)
-            if not state or g.is_sparse or p.is_complex() or p.device.type != "cpu":
+            if not state or g.is_sparse or p.is_complex() or p.device.type != "cpu" or \
+                    state["step"].dtype not in (torch.float32, torch.float64):
                 return args, kwargs, None
             tensors += (p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), state["step"])
             steps.append((state["step"], group["lr"], beta1, beta2))
@@ -218,8 +219,9 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
         for (counter, lr, beta1, beta2), before in zip(steps, known):
-            # As _single_tensor_adam computes them, in the order its ops receive them.
-            step = _float32(before + 1.0)
+            # As _single_tensor_adam computes them, in the order its ops receive them (the
+            # counter is float32, or float64 under torch.set_default_dtype(torch.float64)).
+            step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
             bias_correction1 = 1 - beta1 ** step
             bias_correction2 = 1 - beta2 ** step
             step_size = lr / bias_correction1

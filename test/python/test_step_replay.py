@@ -329,3 +329,17 @@ def test_a_subclass_step_that_clips_then_calls_super_replays_both():
 
     r = check(make, plain_step)
     assert r.runner["calls_replayed"] >= 2 * (STEPS - 10), r.runner
+
+
+def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
+    def step(model, opt, i, log):
+        x, y = batch(i)
+        optimize(opt, F.cross_entropy(model(x.double()), y), log)
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # (Adam's counters follow it: _get_scalar_dtype)
+    try:
+        r = check(adam(lr=1e-2), step)
+    finally:
+        torch.set_default_dtype(before)
+    steps_replayed(r, untraced=12)
