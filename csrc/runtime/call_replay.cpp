@@ -211,14 +211,11 @@ void PythonRunner::record_call_step(const capture::Region& region, const trace::
     // `_get_value(step_t)`, an item() of a known step counter) changes nothing a replay must
     // redo: its record and posts are replayed like any other's. Anything else that needs data
     // does.
-    const c10::OperatorHandle& op = region.trace().ops.back().op;
-    bool returns_tensor = false;
-    for (const c10::Argument& a : op.schema().returns()) returns_tensor |= a.type()->kind() != c10::TypeKind::NumberType &&
-                                                                          a.type()->kind() != c10::TypeKind::FloatType &&
-                                                                          a.type()->kind() != c10::TypeKind::IntType &&
-                                                                          a.type()->kind() != c10::TypeKind::BoolType;
-    if (returns_tensor || capture::writes_an_argument(op.schema()))
-      return call_not_replayable("an op of the call needs data");
+    const c10::FunctionSchema& schema = region.trace().ops.back().op.schema();
+    const bool only_numbers = std::all_of(schema.returns().begin(), schema.returns().end(), [](const c10::Argument& a) {
+      return a.type()->isSubtypeOf(*c10::NumberType::get()) || a.type()->kind() == c10::TypeKind::BoolType;
+    });
+    if (!only_numbers || capture::writes_an_argument(schema)) return call_not_replayable("an op of the call needs data");
   }
   // (Fed numbers too: the caller's key stands for the Python numbers the ops receive.)
   std::string why = recorded_step(region, key, node, r.memo.steps.emplace_back(), [] { return std::string(); });
