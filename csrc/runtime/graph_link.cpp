@@ -211,6 +211,7 @@ std::string PythonRunner::describe_failure(const std::string& error) {
 }
 
 void PythonRunner::wait_published(int64_t count) {
+  ++read_waits_;
   const StallAccount account{stats_.stall_ns};
   const auto t0 = account.t0;
   GilRelease no_gil;

@@ -16,6 +16,7 @@
 #include <torch/csrc/Exceptions.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -45,6 +46,16 @@ at::Tensor without_broadcast(const at::Tensor& t) {
   return out;
 }
 
+// TERRA_EARLY_BATCHES=0 keeps every batch whole, TERRA_EARLY_MEMORY=N sets how many iterations
+// send early after a read waited (runtime/early_batches.h), so that benchmarks.step_ab can time
+// the policies in one build, in interleaved processes.
+EarlyBatchPolicy early_batch_policy() {
+  const char* memory = std::getenv("TERRA_EARLY_MEMORY");
+  return EarlyBatchPolicy(!common::switched_off("TERRA_EARLY_BATCHES"),
+                          memory != nullptr && *memory != '\0' ? std::atoi(memory)
+                                                                : EarlyBatchPolicy::kDefaultMemory);
+}
+
 }  // namespace
 
 PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program& structured,
@@ -59,7 +70,8 @@ PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program&
       drive_(drive),
       channel_(std::make_shared<ConcurrentChannel>()),
       values_(std::make_shared<ValueTable>()),
-      cursor_(structured) {
+      cursor_(structured),
+      early_batches_(early_batch_policy()) {
   channel_->attach_values(values_);
   channel_->use_streams(StreamSync::for_devices(program.devices()));
   if (!executor) executor = std::make_shared<TorchScriptExecutor>(emitted.graph);
@@ -70,17 +82,6 @@ PythonRunner::~PythonRunner() {
   GilRelease no_gil;
   runner_->shutdown();
 }
-
-namespace {
-
-// TERRA_EARLY_BATCHES=0 keeps every batch whole (PythonRunner::send_early_), so that
-// benchmarks.step_ab can time both policies in one build, in interleaved processes.
-bool early_batches_enabled() {
-  static const bool enabled = !common::switched_off("TERRA_EARLY_BATCHES");
-  return enabled;
-}
-
-}  // namespace
 
 // ---- iterations --------------------------------------------------------------------------------
 
@@ -105,8 +106,7 @@ void PythonRunner::begin_iteration() {
     // not computed is lost. Start clean so that the program can go on after the error.
     recover_from_failure(describe_failure(e.what()));
   }
-  send_early_ = early_batches_enabled() && stats_.stall_ns != stall_at_begin_;
-  stall_at_begin_ = stats_.stall_ns;
+  send_early_ = early_batches_.next_iteration(read_waits_);
   cursor_.reset();
   path_ = 0;
   recording_.reset();

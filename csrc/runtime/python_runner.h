@@ -31,6 +31,7 @@
 #include "emit/emitted_graph.h"
 #include "runtime/feed_snapshot.h"
 #include "runtime/channels.h"
+#include "runtime/early_batches.h"
 #include "runtime/graph_runner.h"
 #include "runtime/known_values.h"
 #include "runtime/op_check_plan.h"
@@ -353,13 +354,12 @@ class PythonRunner final : public capture::CoExecHook {
     return trace::hash_combine(static_cast<uint64_t>(tag), copy) | (uint64_t(1) << 63);
   }
   int64_t started_ = 0, waited_ = 0;  // graph iterations
-  // Whether Python waited for the graph in the previous iteration (a read, the bound on
-  // iterations in flight): then a batch of posts the idle graph waits for is sent at once
-  // (post()). A program that never waits keeps its batches whole: sent early, they only made the
-  // two threads hand the channel back and forth per post (quick-suite `mutation`, no reads:
-  // 0.595 -> 0.649 ms per step, medians of 6 interleaved process pairs).
+  // Whether this iteration sends a batch of posts early, when the idle graph waits for one of
+  // its posts (post(); the policy and why: runtime/early_batches.h). read_waits_ counts the reads
+  // Python waited for (wait_published), which is what turns it on.
+  EarlyBatchPolicy early_batches_;
   bool send_early_ = false;
-  int64_t stall_at_begin_ = 0;
+  int64_t read_waits_ = 0;
   bool in_iteration_ = false;
   bool diverged_ = false;
   bool at_unsupported_ = false;
