@@ -113,11 +113,12 @@ def _plain(v: Any) -> Any:
     return v.hex() if type(v) is float else v
 
 
-def _hyperparameters(opt: Optimizer) -> list[Any]:
-    """Every param group's hyperparameters by value (raises TypeError where one is not plain)."""
+def _hyperparameters(opt: Optimizer, passed: tuple[str, ...] = ()) -> list[Any]:
+    """Every param group's hyperparameters by value, but those in `passed`, which the key's numbers
+    carry (raises TypeError where one is not plain)."""
     values: list[Any] = []
     for group in opt.param_groups:
-        values += ((name, _plain(v)) for name, v in group.items() if name != "params")
+        values += ((name, _plain(v)) for name, v in group.items() if name != "params" and name not in passed)
     return values
 
 
@@ -145,17 +146,29 @@ def _key_state(opt: Optimizer) -> _KeyState:
 _optimizer_keys: "weakref.WeakKeyDictionary[Optimizer, _KeyState]" = weakref.WeakKeyDictionary()
 
 
+def _single_tensor_on_cpu(opt: Optimizer) -> bool:
+    """Whether every group steps parameter by parameter (`_single_tensor_*`, the CPU default): the
+    order in which its ops receive their numbers is the parameters' order."""
+    return all(not group.get("foreach") and not group.get("fused") and
+               all(p.device.type == "cpu" for p in group["params"]) for group in opt.param_groups)
+
+
 def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
     """What SGD's step reads: the hyperparameters by value, and per parameter the parameter, its
-    gradient and its momentum buffer; None where the step cannot be keyed."""
+    gradient and its momentum buffer; None where the step cannot be keyed. On the single-tensor
+    path the learning rate is a number (`param.add_(grad, alpha=-lr)` per parameter), not part
+    of the key: a scheduler that sets a new one every step does not make every call new."""
     opt = _keyed_step(args, kwargs)
     if opt is None:
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
+    # (a learning rate that is no float stays in the key: a tensor one keeps the call per op)
+    passed = ("lr",) if _single_tensor_on_cpu(opt) and all(type(g["lr"]) is float for g in opt.param_groups) else ()
     try:
-        values = _hyperparameters(opt)
+        values = _hyperparameters(opt, passed)
     except TypeError:
         return args, kwargs, None
+    lrs: list[float] = []
     for group in opt.param_groups:
         momentum = group["momentum"]
         for p in group["params"]:
@@ -167,7 +180,11 @@ def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
                 return args, kwargs, None
             state = opt.state.get(p) if momentum != 0 else None
             tensors += (p, g, state.get("momentum_buffer") if state else None)
-    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+            if passed:
+                lrs.append(-group["lr"])
+    if not lrs:
+        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
 
 
 # ---- Adam.step (AdamW's too: it inherits it) ------------------------------------------------------
@@ -186,18 +203,25 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     opt = _keyed_step(args, kwargs)
     if opt is None:
         return args, kwargs, None
+    # The learning rate and beta1 (OneCycleLR cycles it) reach the ops only through the numbers;
+    # beta2 is keyed by value.
     try:
-        values = _hyperparameters(opt)
+        values = _hyperparameters(opt, ("lr", "betas"))
+        values += (("beta2", _plain(group["betas"][1])) for group in opt.param_groups)
     except TypeError:
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
-    steps: list[tuple[torch.Tensor, float, float, float]] = []  # (counter, lr, beta1, beta2) per parameter with a gradient
+    # (counter, lr, beta1, beta2, decoupled weight decay or 0.0) per parameter with a gradient
+    steps: list[tuple[torch.Tensor, float, float, float, float]] = []
     for group in opt.param_groups:
         # Only the single-tensor path: foreach and fused ones compute their numbers otherwise, and
         # capturable and differentiable ones as tensors.
         if group["foreach"] or group["fused"] or group["capturable"] or group["differentiable"]:
             return args, kwargs, None
         beta1, beta2 = group["betas"]
+        if type(group["lr"]) not in (float, int) or type(beta1) not in (float, int):
+            return args, kwargs, None  # (a tensor learning rate or beta1: numbers it cannot pass)
+        decay = group["weight_decay"] if group.get("decoupled_weight_decay") else 0.0
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -210,17 +234,20 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
                     state["step"].dtype not in (torch.float32, torch.float64):
                 return args, kwargs, None
             tensors += (p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), state["step"])
-            steps.append((state["step"], group["lr"], beta1, beta2))
+            steps.append((state["step"], group["lr"], beta1, beta2, decay))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
-        known = session.known_numbers([t for t, _, _, _ in steps])
+        known = session.known_numbers([t for t, _, _, _, _ in steps])
         if any(v is None for v in known):
             return None
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for (counter, lr, beta1, beta2), before in zip(steps, known):
+        for (counter, lr, beta1, beta2, decay), before in zip(steps, known):
             # As _single_tensor_adam computes them, in the order its ops receive them (the
             # counter is float32, or float64 under torch.set_default_dtype(torch.float64)).
+            if decay != 0:  # AdamW: param.mul_(1 - lr * weight_decay)
+                out.append(1 - lr * decay)
+            out.append(1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
             step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
             bias_correction1 = 1 - beta1 ** step
             bias_correction2 = 1 - beta2 ** step

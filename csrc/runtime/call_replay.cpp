@@ -54,36 +54,99 @@ bool same_argument(const CallArgument& memo, const CallArgument& now, const at::
   return false;
 }
 
-// Two recordings of a call with numbers (CallMemo::numbers) are the same call: the same ops and
-// posts, the caller's numbers in the same places, and every other number the same.
-bool same_but_numbers(const CallMemo& a, const CallMemo& b) {
-  if (a.steps.size() != b.steps.size() || a.externals_read.size() != b.externals_read.size() ||
-      a.argument_outputs.size() != b.argument_outputs.size() || a.version_bumps != b.version_bumps ||
-      a.written != b.written || a.result_record != b.result_record)
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// The caller's numbers a memo keys by value are the ones this call passes.
+bool pinned_hold(const CallMemo& m, const std::vector<double>& numbers) {
+  return std::all_of(m.pinned.begin(), m.pinned.end(),
+                     [&](const auto& p) { return same_bits(numbers.at(p.first), p.second); });
+}
+
+double double_of(int64_t bits) {
+  double v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+bool is_python_float(const CallExternal& e) {
+  return e.argument < 0 && e.number.defined() && e.number.scalar_type() == at::kDouble;  // (as the arg parser wraps it)
+}
+
+// Two recordings of a call with numbers, `first` (its numbers kept in recorded_numbers) and
+// `second` with `numbers`: the same call if they made the same ops and posts, and every fed float
+// that differs between them is a number the caller passed that differs the same way. That number
+// becomes the float's parameter in `first`; the numbers that did not differ are pinned (the graph
+// may have them as constants). `first` may have been confirmed before with a number pinned that
+// `second` changes (a learning rate the graph now feeds): its places are found again. Which float is which number is told by the two recordings' values
+// together, not by one recording's: a constant equal to a number by chance (AdamW's
+// `1 - lr * weight_decay` and Adam's beta2 are both 0.999 for lr 1e-2 and weight decay 0.1) is
+// the same in both recordings, where the numbers that step, such as the bias corrections, are not.
+bool confirm_numbers(CallMemo& first, const CallMemo& second, const std::vector<double>& numbers) {
+  const std::vector<double>& before = first.recorded_numbers;
+  if (first.steps.size() != second.steps.size() || first.externals_read.size() != second.externals_read.size() ||
+      first.argument_outputs.size() != second.argument_outputs.size() || first.version_bumps != second.version_bumps ||
+      first.written != second.written || first.result_record != second.result_record || before.size() != numbers.size())
     return false;
-  for (size_t i = 0; i < a.steps.size(); ++i) {
-    const ReplayStep& x = a.steps[i];
-    const ReplayStep& y = b.steps[i];
-    if (x.node != y.node || x.posts.size() != y.posts.size() || !(a.records[i].op.operator_name() == b.records[i].op.operator_name())) return false;
+  std::vector<bool> used(numbers.size(), false);
+  int64_t last = -1;
+  // The caller's number for a fed float that was `a` in `first` and is `b` now: -1 a constant,
+  // -2 none (the float changed, and no number the caller passed changed that way).
+  auto number_for = [&](double a, double b) -> int32_t {
+    if (same_bits(a, b)) return -1;
+    int64_t found = -1;
+    for (size_t k = 0; k < numbers.size(); ++k) {
+      if (used[k] || !same_bits(before[k], a) || !same_bits(numbers[k], b)) continue;
+      if (found < 0 || (found < last && static_cast<int64_t>(k) > last)) found = static_cast<int64_t>(k);
+      if (found > last) break;  // (in the caller's order where it can be: SGD's equal learning rates)
+    }
+    if (found < 0) return -2;
+    used[found] = true;
+    last = found;
+    return static_cast<int32_t>(found);
+  };
+  std::vector<bool> external_done(first.externals_read.size(), false);
+  auto confirm_external = [&](size_t k) {
+    CallExternal& e = first.externals_read[k];
+    const CallExternal& f = second.externals_read[k];
+    external_done[k] = true;
+    if (e.external != f.external || e.argument != f.argument || e.number.defined() != f.number.defined()) return false;
+    if (!e.number.defined()) return true;
+    if (is_python_float(e) && is_python_float(f))
+      return (e.parameter = number_for(*e.number.data_ptr<double>(), *f.number.data_ptr<double>())) != -2;
+    e.parameter = -1;
+    return e.number.scalar_type() == f.number.scalar_type() &&
+           std::memcmp(e.number.data_ptr(), f.number.data_ptr(), e.number.element_size()) == 0;
+  };
+  // In program order: each op's posts, a wrapped number at its feed.
+  for (size_t i = 0; i < first.steps.size(); ++i) {
+    ReplayStep& x = first.steps[i];
+    const ReplayStep& y = second.steps[i];
+    if (x.node != y.node || x.posts.size() != y.posts.size() ||
+        !(first.records[i].op.operator_name() == second.records[i].op.operator_name()))
+      return false;
     for (size_t k = 0; k < x.posts.size(); ++k) {
-      const ReplayPost& p = x.posts[k];
+      ReplayPost& p = x.posts[k];
       const ReplayPost& q = y.posts[k];
-      if (p.kind != q.kind || p.key != q.key || p.external != q.external || p.parameter != q.parameter ||
-          (p.parameter < 0 && p.value != q.value))
-        return false;
+      if (p.kind != q.kind || p.key != q.key || p.external != q.external) return false;
+      if (p.kind == ReplayPost::Kind::kDecision && is_scalar_key(p.key)) {
+        if ((p.parameter = number_for(double_of(p.value), double_of(q.value))) == -2) return false;
+      } else if (p.kind == ReplayPost::Kind::kDecision) {
+        if (p.value != q.value) return false;
+      } else if (p.kind == ReplayPost::Kind::kFeed) {
+        for (size_t e = 0; e < first.externals_read.size(); ++e)
+          if (!external_done[e] && first.externals_read[e].external == p.external && !confirm_external(e)) return false;
+      }
     }
   }
-  for (size_t k = 0; k < a.externals_read.size(); ++k) {
-    const CallExternal& e = a.externals_read[k];
-    const CallExternal& f = b.externals_read[k];
-    if (e.external != f.external || e.argument != f.argument || e.parameter != f.parameter ||
-        e.number.defined() != f.number.defined())
-      return false;
-    if (e.parameter < 0 && e.number.defined() &&
-        (e.number.scalar_type() != f.number.scalar_type() ||
-         std::memcmp(e.number.data_ptr(), f.number.data_ptr(), e.number.element_size()) != 0))
-      return false;
+  for (size_t e = 0; e < first.externals_read.size(); ++e)
+    if (!external_done[e] && !confirm_external(e)) return false;
+  first.pinned.clear();
+  for (size_t k = 0; k < numbers.size(); ++k) {
+    if (used[k]) continue;
+    if (!same_bits(before[k], numbers[k])) return false;  // (a number that changed reached no op as a fed float)
+    first.pinned.emplace_back(static_cast<uint32_t>(k), numbers[k]);
   }
+  first.confirmed = true;  // (recorded_numbers stay: a later recording may unpin a number)
   return true;
 }
 
@@ -92,7 +155,7 @@ bool same_but_numbers(const CallMemo& a, const CallMemo& b) {
 // Adam step: each parameter's step reads three such numbers).
 at::Tensor wrapped_number(const at::Tensor& recorded, const double* value) {
   at::Tensor t = at::detail::empty_cpu({}, recorded.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (value != nullptr)  // (only doubles are the caller's numbers: assign_numbers)
+  if (value != nullptr)  // (only doubles are the caller's numbers: confirm_numbers)
     *t.data_ptr<double>() = *value;
   else
     std::memcpy(t.data_ptr(), recorded.data_ptr(), recorded.element_size());
@@ -175,12 +238,14 @@ PythonRunner::CallPath PythonRunner::begin_call(capture::Region& region, int64_t
       if (std::binary_search(fresh.begin(), fresh.end(), t.unsafeGetTensorImpl())) return false;
     return true;
   };
+  // A memo recorded once, or one that has a number this call changes pinned: this recording may
+  // confirm it, or learn which of its floats that number is (confirm_numbers).
   uint64_t confirms = 0;
   for (const CallMemo& m : call_memos_) {
     if (!matches(m)) continue;
-    if (!m.confirmed) {  // (recorded once with other numbers: this recording may confirm it)
-      confirms = m.id;
-      break;
+    if (!m.confirmed || !pinned_hold(m, numbers)) {
+      if (confirms == 0) confirms = m.id;
+      continue;
     }
     result = replay_call(region, m, arguments, numbers, known_after);
     ++call_stats_.replayed;
@@ -294,8 +359,6 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   }
   if (next != externals.size()) return give_up("the call made an external it does not read");
 
-  if (!r.numbers.empty() && !assign_numbers(memo, r.numbers))
-    return give_up("the call's ops received other numbers than its caller computed");
   if (result.defined()) {
     // (a placeholder one of the call's ops made, and nothing else: a replay makes it again)
     std::optional<capture::ValueRef> ref = region.produced(result);
@@ -314,42 +377,18 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   if (r.confirms != 0) {
     auto first = std::find_if(call_memos_.begin(), call_memos_.end(), [&](const CallMemo& m) { return m.id == r.confirms; });
     if (first != call_memos_.end()) {
-      if (same_but_numbers(*first, memo)) {
-        first->confirmed = true;
-        return true;
-      }
+      if (confirm_numbers(*first, memo, r.numbers)) return true;
       call_memos_.erase(first);  // (this recording, unconfirmed, takes its place)
     }
   }
-  memo.confirmed = memo.numbers == 0;
+  memo.confirmed = r.numbers.empty();
+  if (!memo.confirmed) memo.recorded_numbers = r.numbers;
   memo.id = ++call_memo_ids_;
   if (call_memos_.size() >= kMaxCallMemos) call_memos_.erase(call_memos_.begin());
   call_memos_.push_back(std::move(memo));
   return true;
 }
 
-bool PythonRunner::assign_numbers(CallMemo& memo, const std::vector<double>& numbers) {
-  // The fed floats in program order: each op's posts, a wrapped number through its feed.
-  size_t next = 0;
-  auto take = [&](double v) -> int32_t {
-    if (next >= numbers.size() || std::memcmp(&v, &numbers[next], sizeof v) != 0) return -1;
-    return static_cast<int32_t>(next++);
-  };
-  for (ReplayStep& step : memo.steps)
-    for (ReplayPost& p : step.posts) {
-      if (p.kind == ReplayPost::Kind::kDecision && is_scalar_key(p.key)) {
-        double v;
-        std::memcpy(&v, &p.value, sizeof v);
-        p.parameter = take(v);
-      } else if (p.kind == ReplayPost::Kind::kFeed) {
-        for (CallExternal& e : memo.externals_read)
-          if (e.external == p.external && e.argument < 0 && e.number.defined() &&
-              e.number.scalar_type() == at::kDouble)  // (a Python float, as the arg parser wraps it)
-            e.parameter = take(*e.number.data_ptr<double>());
-      }
-    }
-  return next == numbers.size();
-}
 
 
 at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& memo,

@@ -14,8 +14,9 @@
 //     iteration 3 (first co-executed): opt.step() -> 6 ops validated, memo recorded
 //     iteration 4..: opt.step() -> replay: 6 records appended, their posts sent, 6 version bumps
 //
-// Numbers a call's ops receive that change every call (Adam's step size follows from the step
-// count) are the caller's to compute and pass; the memo names which fed floats they are.
+// Numbers a call's ops receive that may change every call (Adam's step size follows from the step
+// count, a scheduler sets a new learning rate) are the caller's to compute and pass; the memo
+// names which fed floats they are, and keys the others (the graph has them as constants) by value.
 //
 // A call may return a tensor one of its ops made (torch.nn.utils.clip_grad_norm_ returns the total
 // norm): a replay returns a new placeholder of it, as the op would have.
@@ -90,12 +91,21 @@ struct CallMemo {
   // co-execution, where its kernel, which bumps them, does not run).
   std::vector<int32_t> written;
   std::vector<BackwardMemo::Alias> external_aliases;
-  // Numbers the caller computes per call (Adam's bias corrections follow from the step count):
-  // how many it passes. Each fed float of the ops, in program order, that equals the caller's
-  // next number is that number (ReplayPost::parameter, CallExternal::parameter); the others are
-  // constants. A memo with numbers is trusted (`confirmed`) only once a second recording, with
-  // other numbers, made the same assignment and kept every other number the same.
+  // Numbers the caller computes per call (Adam's bias corrections follow from the step count, a
+  // learning rate from the scheduler): how many it passes. A memo with numbers is trusted
+  // (`confirmed`) once a second recording with the same key made the same ops and posts: each fed
+  // float that differs between the two is the caller's number that differs the same way
+  // (ReplayPost::parameter, CallExternal::parameter), the other fed floats are constants, and the
+  // numbers that did not differ are `pinned`, part of the key by value (a learning rate the graph
+  // has as a constant: it did not change while the program was traced). Until then the memo is
+  // not replayed. It keeps its own numbers (recorded_numbers): a later recording in which a
+  // pinned number changed (the graph feeds it now) confirms it again, with that number's places.
+  // Example, SGD under StepLR: `alpha=-lr` is pinned while the graph has lr as a constant; the
+  // first new lr is a divergence and a new graph that feeds it, whose memo, confirmed with lr
+  // pinned, meets the next new lr and takes it as a number from then on.
   size_t numbers = 0;
+  std::vector<std::pair<uint32_t, double>> pinned;  // (the caller's number, its value)
+  std::vector<double> recorded_numbers;
   bool confirmed = true;
   uint64_t id = 0;  // (which memo a confirming recording compares with)
   // The tensor the call returned, an output of one of its records (clip_grad_norm_'s total norm),

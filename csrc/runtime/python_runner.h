@@ -296,7 +296,6 @@ class PythonRunner final : public capture::CoExecHook {
                          const std::vector<double>& numbers,
                          const std::vector<std::pair<at::Tensor, double>>& known_after);
   // Which fed floats of a recorded call are the caller's numbers; false if not all were used.
-  bool assign_numbers(CallMemo& memo, const std::vector<double>& numbers);
 
   emit::CapturedProgram& program_;
   const std::vector<std::vector<std::string>>* node_frames_;
