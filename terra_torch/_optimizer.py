@@ -196,10 +196,17 @@ def _float32(x: float) -> float:
 
 
 def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
-    """What Adam's single-tensor step (torch/optim/adam.py, `_single_tensor_adam`, the CPU default)
-    reads: the hyperparameters by value, and per parameter the parameter, its gradient, its two
-    moving averages, its amsgrad maximum and its step counter. Its bias corrections follow from the
-    step counters, which Python knows (runtime/known_values.h): the key's numbers."""
+    """What Adam's step (torch/optim/adam.py) reads: the hyperparameters by value, and per
+    parameter the parameter, its gradient, its two moving averages, its amsgrad maximum and its
+    step counter. The numbers its ops receive that change (the learning rate, beta1, and on the
+    single-tensor and foreach paths the bias corrections of the step counters, which Python knows:
+    runtime/known_values.h) are the key's numbers, per group in the order the ops receive them:
+
+    - single-tensor (`_single_tensor_adam`, the CPU default), per parameter: AdamW's
+      `1 - lr * weight_decay`, `1 - beta1`, `bias_correction2 ** 0.5`, `-lr / bias_correction1`;
+    - foreach (`_multi_tensor_adam`, one device and dtype): the same, but the first two once for
+      the group and the last two as lists (`_foreach_div_`'s and `_foreach_addcdiv_`'s scalars);
+    - fused (`_fused_adam`): `lr` and `beta1`, which `_fused_adam_` receives as they are."""
     opt = _keyed_step(args, kwargs)
     if opt is None:
         return args, kwargs, None
@@ -211,17 +218,19 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     except TypeError:
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
-    # (counter, lr, beta1, beta2, decoupled weight decay or 0.0) per parameter with a gradient
-    steps: list[tuple[torch.Tensor, float, float, float, float]] = []
+    # Per group: (path, lr, beta1, beta2, decoupled weight decay or 0.0, step counters with a gradient)
+    groups: list[tuple[str, float, float, float, float, list[torch.Tensor]]] = []
     for group in opt.param_groups:
-        # Only the single-tensor path: foreach and fused ones compute their numbers otherwise, and
-        # capturable and differentiable ones as tensors.
-        if group["foreach"] or group["fused"] or group["capturable"] or group["differentiable"]:
+        # Capturable and differentiable steps compute their numbers as tensors.
+        if group["capturable"] or group["differentiable"]:
             return args, kwargs, None
+        path = "fused" if group["fused"] else "foreach" if group["foreach"] else "single"
         beta1, beta2 = group["betas"]
         if type(group["lr"]) not in (float, int) or type(beta1) not in (float, int):
             return args, kwargs, None  # (a tensor learning rate or beta1: numbers it cannot pass)
         decay = group["weight_decay"] if group.get("decoupled_weight_decay") else 0.0
+        counters: list[torch.Tensor] = []
+        dtypes = set()
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -229,32 +238,47 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
                 continue
             state = opt.state.get(p)
             # (the first step makes the state; a complex parameter is stepped through real views;
-            # a parameter off the CPU may make foreach the default)
+            # a parameter off the CPU may make foreach the default; the foreach path groups
+            # parameters by dtype, one list each)
             if not state or g.is_sparse or p.is_complex() or p.device.type != "cpu" or \
                     state["step"].dtype not in (torch.float32, torch.float64):
                 return args, kwargs, None
+            dtypes.add(p.dtype)
             tensors += (p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), state["step"])
-            steps.append((state["step"], group["lr"], beta1, beta2, decay))
+            counters.append(state["step"])
+        if path == "foreach" and len(dtypes) > 1:
+            return args, kwargs, None
+        groups.append((path, group["lr"], beta1, beta2, decay, counters))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
-        known = session.known_numbers([t for t, _, _, _, _ in steps])
-        if any(v is None for v in known):
-            return None
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for (counter, lr, beta1, beta2, decay), before in zip(steps, known):
-            # As _single_tensor_adam computes them, in the order its ops receive them (the
-            # counter is float32, or float64 under torch.set_default_dtype(torch.float64)).
-            if decay != 0:  # AdamW: param.mul_(1 - lr * weight_decay)
-                out.append(1 - lr * decay)
-            out.append(1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
-            step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
-            bias_correction1 = 1 - beta1 ** step
-            bias_correction2 = 1 - beta2 ** step
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = bias_correction2 ** 0.5
-            out += (bias_correction2_sqrt, -step_size)
-            after.append((counter, step))
+        for path, lr, beta1, beta2, decay, counters in groups:
+            if not counters:
+                continue
+            if path == "fused":
+                out += (lr, beta1)
+                continue
+            known = session.known_numbers(counters)
+            if any(v is None for v in known):
+                return None
+            # As torch computes them (the counter is float32, or float64 under
+            # torch.set_default_dtype(torch.float64)).
+            steps = [_float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
+                     for counter, before in zip(counters, known)]
+            after += zip(counters, steps)
+            if path == "single":
+                for step in steps:
+                    if decay != 0:  # AdamW: param.mul_(1 - lr * weight_decay)
+                        out.append(1 - lr * decay)
+                    out.append(1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
+                    out += ((1 - beta2 ** step) ** 0.5, -(lr / (1 - beta1 ** step)))
+            else:
+                if decay != 0:
+                    out.append(1 - lr * decay)
+                out.append(1 - beta1)
+                out += ((1 - beta2 ** step) ** 0.5 for step in steps)
+                out += ((lr / (1 - beta1 ** step)) * -1 for step in steps)
         return out, after
 
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)

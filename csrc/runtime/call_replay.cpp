@@ -69,7 +69,8 @@ double double_of(int64_t bits) {
 }
 
 bool is_python_float(const CallExternal& e) {
-  return e.argument < 0 && e.number.defined() && e.number.scalar_type() == at::kDouble;  // (as the arg parser wraps it)
+  return e.argument < 0 && e.number.defined() && e.number.scalar_type() == at::kDouble &&  // (as the arg parser wraps it)
+         e.number.unsafeGetTensorImpl()->is_wrapped_number();
 }
 
 // Two recordings of a call with numbers, `first` (its numbers kept in recorded_numbers) and
@@ -91,14 +92,21 @@ bool confirm_numbers(CallMemo& first, const CallMemo& second, const std::vector<
   int64_t last = -1;
   // The caller's number for a fed float that was `a` in `first` and is `b` now: -1 a constant,
   // -2 none (the float changed, and no number the caller passed changed that way).
+  // Unused numbers first, in the caller's order where they can be (SGD's equal learning rates);
+  // a used one where no other fits (fused Adam's lr, which each dtype's fused op receives).
   auto number_for = [&](double a, double b) -> int32_t {
     if (same_bits(a, b)) return -1;
-    int64_t found = -1;
+    int64_t found = -1, again = -1;
     for (size_t k = 0; k < numbers.size(); ++k) {
-      if (used[k] || !same_bits(before[k], a) || !same_bits(numbers[k], b)) continue;
+      if (!same_bits(before[k], a) || !same_bits(numbers[k], b)) continue;
+      if (used[k]) {
+        if (again < 0) again = static_cast<int64_t>(k);
+        continue;
+      }
       if (found < 0 || (found < last && static_cast<int64_t>(k) > last)) found = static_cast<int64_t>(k);
-      if (found > last) break;  // (in the caller's order where it can be: SGD's equal learning rates)
+      if (found > last) break;
     }
+    if (found < 0) found = again;
     if (found < 0) return -2;
     used[found] = true;
     last = found;
@@ -150,17 +158,28 @@ bool confirm_numbers(CallMemo& first, const CallMemo& second, const std::vector<
   return true;
 }
 
-// A Python number as the arg parser wraps it, of `recorded`'s dtype: `value`, or `recorded`'s own.
-// Made without the dispatcher (a clone through it, autograd included, was half of a replayed
-// Adam step: each parameter's step reads three such numbers).
-at::Tensor wrapped_number(const at::Tensor& recorded, const double* value) {
+// A Python number as the arg parser wraps it, or a constant the call made (CallExternal::number),
+// of `recorded`'s dtype and kind: `value`, or `recorded`'s own. Made without the dispatcher (a
+// clone through it, autograd included, was half of a replayed Adam step: each parameter's step
+// reads three such numbers).
+at::Tensor number_like(const at::Tensor& recorded, const double* value) {
   at::Tensor t = at::detail::empty_cpu({}, recorded.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (value != nullptr)  // (only doubles are the caller's numbers: confirm_numbers)
+  if (value != nullptr)  // (only wrapped Python floats are the caller's numbers: confirm_numbers)
     *t.data_ptr<double>() = *value;
   else
     std::memcpy(t.data_ptr(), recorded.data_ptr(), recorded.element_size());
-  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  t.unsafeGetTensorImpl()->set_wrapped_number(recorded.unsafeGetTensorImpl()->is_wrapped_number());
   return t;
+}
+
+// A tensor the call's ops read that the call made itself, as a constant: a wrapped Python number
+// (`buf.mul_(momentum)`), or a 0-dim CPU tensor made from Python data and never written
+// (`torch.tensor(1.0)`, which foreach Adam adds to its step counters). Its value follows from the
+// key as the numbers the ops receive do (the caller vouches for both).
+bool made_constant(const at::Tensor& t) {
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return true;
+  return t.device().is_cpu() && t.dim() == 0 && t.layout() == c10::kStrided && !t.requires_grad() && !t.is_view() &&
+         t._version() == 0 && !t.is_complex();
 }
 
 int32_t argument_holding(const std::vector<at::Tensor>& arguments, const c10::TensorImpl* impl) {
@@ -343,9 +362,9 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
       e.external = k;
       e.argument = argument_holding(r.arguments, t.unsafeGetTensorImpl());
       if (e.argument < 0) {
-        if (static_cast<size_t>(k) < memo.externals_before || !t.unsafeGetTensorImpl()->is_wrapped_number())
+        if (static_cast<size_t>(k) < memo.externals_before || !made_constant(t))
           return give_up("the call reads a tensor from outside the iteration that is none of its arguments");
-        e.number = wrapped_number(t, nullptr);  // (a value of its own: the op's wrapped number dies with the call)
+        e.number = number_like(t, nullptr);  // (a value of its own: the op's wrapped number dies with the call)
       }
       memo.externals_read.push_back(std::move(e));
     }
@@ -403,7 +422,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     if (e.argument >= 0) {
       t = arguments.at(e.argument);
     } else {
-      t = wrapped_number(e.number, e.parameter >= 0 ? &numbers.at(e.parameter) : nullptr);
+      t = number_like(e.number, e.parameter >= 0 ? &numbers.at(e.parameter) : nullptr);
     }
     const capture::ValueRef got = region.value_of(t);
     TORCH_CHECK(got.external == e.external, "terra_torch internal error: a replayed call's external input ", e.external,

@@ -56,12 +56,14 @@ struct CallArgument {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;  // kTensor
 };
 
-// An external the recorded ops read: one of the call's arguments, or a Python number the arg
-// parser wrapped for one op (`buf.mul_(momentum)`), made again with the same value in a replay.
+// An external the recorded ops read: one of the call's arguments, or a constant the call made: a
+// Python number the arg parser wrapped for one op (`buf.mul_(momentum)`), or a 0-dim CPU tensor
+// made from Python data and never written (`torch.tensor(1.0)` in foreach Adam), made again with
+// the same value (or the caller's number) in a replay.
 struct CallExternal {
   int32_t external = -1;
   int32_t argument = -1;
-  at::Tensor number;       // the wrapped number's value (argument < 0)
+  at::Tensor number;       // the constant's value and kind (argument < 0)
   int32_t parameter = -1;  // or the caller's number `parameter` (CallMemo::numbers)
 };
 

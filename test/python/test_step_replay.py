@@ -352,6 +352,52 @@ def test_adam_steps_under_a_learning_rate_schedule_are_replayed_bitwise(make, sc
     assert r.runner["calls_recorded"] <= 4, r.runner
 
 
+@pytest.mark.parametrize("make,scheduler", [
+    (adam(lr=1e-2, fused=True), None),
+    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True), warmup_then_cosine),
+    (adam(lr=1e-2, foreach=True), None),
+    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=True), None),
+    (adam(torch.optim.AdamW, lr=1e-2, amsgrad=True, foreach=True), warmup_then_cosine),
+    (adam(lr=3e-3, maximize=True, foreach=True), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)),
+], ids=["fused", "adamw-fused-scheduled", "foreach", "adamw-foreach", "adamw-amsgrad-foreach-scheduled",
+        "maximize-foreach-onecycle"])
+def test_foreach_and_fused_adam_steps_are_replayed_bitwise(make, scheduler):
+    """The foreach path's numbers are lists (`_foreach_div_` by each bias correction, `_foreach_addcdiv_`
+    by each step size) and it adds a `torch.tensor(1.0)` it makes to the step counters (a constant
+    of the call, made again in a replay); the fused path's are the learning rate and beta1 the
+    fused op receives. GPUs default to foreach Adam."""
+    r = check(*scheduled(make, scheduler)) if scheduler else check(make, plain_step)
+    steps_replayed(r, untraced=12)
+    assert r.runner["calls_recorded"] <= 4, r.runner
+
+
+def test_a_fused_adam_over_two_dtypes_and_two_groups_replays_bitwise():
+    """Fused Adam steps each (device, dtype) bucket of a group with its own fused op: the group's
+    learning rate reaches two ops (one number, two places). Two groups with their own schedules."""
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.out = nn.Linear(16, 3).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.inp(x)).double())
+
+    def make():
+        model = Mixed()
+        opt = torch.optim.Adam([{"params": list(model.inp.parameters()) + [model.out.bias]},
+                                {"params": [model.out.weight], "lr": 3e-3}], lr=1e-2, fused=True)
+        return model, opt
+
+    def step(model, opt, i, log):
+        plain_step(model, opt, i, log)
+        for group, gamma in zip(opt.param_groups, (0.97, 0.9)):
+            group["lr"] *= gamma
+
+    r = check(make, step)
+    steps_replayed(r, untraced=12)
+
+
 def test_numbers_the_stand_in_gets_wrong_are_never_replayed(monkeypatch):
     """A stand-in whose numbers differ from what the ops receive (here each step count is off by
     a little, as another torch version's formula might be): the changing fed floats match no
