@@ -78,10 +78,13 @@ bool is_python_float(const CallExternal& e) {
 // that differs between them is a number the caller passed that differs the same way. That number
 // becomes the float's parameter in `first`; the numbers that did not differ are pinned (the graph
 // may have them as constants). `first` may have been confirmed before with a number pinned that
-// `second` changes (a learning rate the graph now feeds): its places are found again. Which float is which number is told by the two recordings' values
-// together, not by one recording's: a constant equal to a number by chance (AdamW's
-// `1 - lr * weight_decay` and Adam's beta2 are both 0.999 for lr 1e-2 and weight decay 0.1) is
-// the same in both recordings, where the numbers that step, such as the bias corrections, are not.
+// `second` changes (a learning rate the graph now feeds): its places are found again.
+//
+// Which float is which number is told by the two recordings' values together, not by one
+// recording's: a constant equal to a number by chance (AdamW's `1 - lr * weight_decay` and Adam's
+// beta2 are both 0.999 for lr 1e-2 and weight decay 0.1) is the same in both recordings, where
+// the numbers that step, such as the bias corrections, are not. On a failure `first` is left
+// half rewritten: the caller drops it.
 bool confirm_numbers(CallMemo& first, const CallMemo& second, const std::vector<double>& numbers) {
   const std::vector<double>& before = first.recorded_numbers;
   if (first.steps.size() != second.steps.size() || first.externals_read.size() != second.externals_read.size() ||
