@@ -274,7 +274,7 @@ def test_python_in_the_backward_takes_the_per_op_path(kind: str):
 def test_gradient_penalty_with_create_graph_takes_the_per_op_path():
     def step(model, opt, i, log):
         x, y = batch(i)
-        x = x.requires_grad_()
+        x = x.detach().requires_grad_()  # (a leaf of its own: BATCHES, shared by every test, stay as they are)
         loss = F.cross_entropy(model(x), y)
         (gx,) = torch.autograd.grad(loss, x, create_graph=True)
         total = loss + 0.1 * gx.pow(2).sum()
