@@ -353,7 +353,6 @@ int32_t PythonRunner::replay_op(capture::Region& region, const capture::OpRecord
   const trace::Match m = cursor_.step(step.key, step.loops);
   TORCH_CHECK(m.matched && m.node == step.node, "terra_torch internal error: a replayed op (",
               c10::toString(rec.op.operator_name()), ") is not where the recorded one was");
-  path_ = trace::hash_combine(path_, step.node);
   ++stats_.ops;
   ++stats_.placeholders;
   for (const trace::Decision& d : m.decisions) post(decision(d.site, d.value));
@@ -470,6 +469,7 @@ void PythonRunner::end_backward(capture::Region& region, bool completed) {
     memo.outcomes.push_back(o);
   }
   memo.external_aliases = aliases_after(region, begin);
+  memo.path_after = path_;
   if (memos_.size() >= kMaxBackwardMemos) memos_.erase(memos_.begin());
   memos_.push_back(std::move(memo));
   ++backward_stats_.recorded;
@@ -537,6 +537,7 @@ void PythonRunner::replay(capture::Region& region, const BackwardMemo& memo, con
   // (A parameter that equals a view the backward made, t(t(weight)) in a linear layer's
   // backward, is that output from now on, as when the engine ran: its latest one, too.)
   apply_aliases(region, memo.records_before, memo.external_aliases);
+  path_ = memo.path_after;
   if (!call.keep_graph) release_saved(r);
   flush();
   // A gradient accumulated in place into memory Python can read or write without an op (an

@@ -138,7 +138,7 @@ struct LeafOutcome {
 // A recorded backward() and the key under which it replays.
 struct BackwardMemo {
   // ---- the key ----
-  uint64_t path = 0;          // hash of the nodes the cursor matched in the iteration so far
+  uint64_t path = 0;          // hash of the nodes the cursor matched, and their sizes, in the iteration so far
   size_t records_before = 0;  // region records and externals when backward() was called
   size_t externals_before = 0;
   std::vector<capture::ValueRef> roots, grads;
@@ -163,6 +163,10 @@ struct BackwardMemo {
   // Forward records whose backward ops read fed numbers, with their arguments then: the memo
   // replays those numbers only while the arguments are the same (part of the key).
   std::vector<std::pair<int32_t, std::vector<c10::IValue>>> origin_attributes;
+  // The path once the recorded ops had run one by one (their nodes and sizes hashed): a replay
+  // leaves it so, and a later memo's key (the optimizer's step after this backward) is the same
+  // whether this backward was recorded or replayed.
+  uint64_t path_after = 0;
 };
 
 // Externals the region resolves to an output of records from `begin` on, by storage, after a

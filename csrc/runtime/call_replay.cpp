@@ -395,6 +395,7 @@ bool PythonRunner::end_call(capture::Region& region, bool completed, bool replay
   for (size_t j = 0; j < r.arguments.size(); ++j)
     memo.version_bumps.push_back(r.arguments[j].defined() ? r.arguments[j]._version() - r.versions_before[j] : 0);
   memo.external_aliases = aliases_after(region, begin);  // (a parameter written in place: that output now)
+  memo.path_after = path_;
   ++call_stats_.recorded;
   if (r.confirms != 0) {
     auto first = std::find_if(call_memos_.begin(), call_memos_.end(), [&](const CallMemo& m) { return m.id == r.confirms; });
@@ -450,7 +451,6 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
       if (returned) result = capture::make_placeholder(mrec.outputs[k], mrec.op);  // (as run_placeholder makes it)
       const at::Tensor& t = returned ? result : arguments.at(out->argument);
       region.set_produced(t, index, static_cast<int32_t>(k));
-      path_ = detail::hash_sizes(path_, t);
       note_latest(tag, record_copies_.at(index), t);
       if (step.publishes > 0) expect_output(tag, t);
     }
@@ -465,6 +465,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     writes_python_memory |= python_writable_memory(arguments[j]);
   }
   apply_aliases(region, memo.records_before, memo.external_aliases);
+  path_ = memo.path_after;
   if (known_values_enabled_) {
     capture::SuspendGuard not_the_programs;
     for (const auto& [t, v] : known_after) known_.teach(t, at::scalar_tensor(v, t.options()));

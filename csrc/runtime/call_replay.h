@@ -114,6 +114,7 @@ struct CallMemo {
   // made again as a placeholder in a replay; record -1: it returned none.
   int32_t result_record = -1;
   uint32_t result_output = 0;
+  uint64_t path_after = 0;  // (as BackwardMemo::path_after)
 };
 
 // A call being recorded (PythonRunner::validate adds a step per op, claim_outputs notes outputs
