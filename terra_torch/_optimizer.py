@@ -146,31 +146,42 @@ def _key_state(opt: Optimizer) -> _KeyState:
 _optimizer_keys: "weakref.WeakKeyDictionary[Optimizer, _KeyState]" = weakref.WeakKeyDictionary()
 
 
-def _single_tensor_on_cpu(opt: Optimizer) -> bool:
-    """Whether every group steps parameter by parameter (`_single_tensor_*`, the CPU default): the
-    order in which its ops receive their numbers is the parameters' order."""
-    return all(not group.get("foreach") and not group.get("fused") and
-               all(p.device.type == "cpu" for p in group["params"]) for group in opt.param_groups)
+def _sgd_path(group: dict[str, Any]) -> str | None:
+    """Which body steps an SGD group (torch/optim/sgd.py): "fused" (`_fused_sgd_`), "foreach"
+    (`_multi_tensor_sgd`) or "single" (`_single_tensor_sgd`); None where torch's default would
+    pick by device (foreach and fused unset, a parameter off the CPU: foreach on CUDA)."""
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach"):
+        return "foreach"
+    if group.get("foreach") is False or all(p.device.type == "cpu" for p in group["params"]):
+        return "single"
+    return None
 
 
 def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
     """What SGD's step reads: the hyperparameters by value, and per parameter the parameter, its
-    gradient and its momentum buffer; None where the step cannot be keyed. On the single-tensor
-    path the learning rate is a number (`param.add_(grad, alpha=-lr)` per parameter), not part
-    of the key: a scheduler that sets a new one every step does not make every call new."""
+    gradient and its momentum buffer; None where the step cannot be keyed. The learning rate is a
+    number of the key, not part of it (a scheduler that sets a new one every step does not make
+    every call new), in the order the ops receive it: the single-tensor path's
+    `param.add_(grad, alpha=-lr)` per parameter with a gradient; the foreach path's
+    `_foreach_add_(params, grads, alpha=-lr)` and the fused path's `_fused_sgd_(..., lr=lr)` once
+    per device and dtype of the group's parameters with a gradient (torch groups them so)."""
     opt = _keyed_step(args, kwargs)
     if opt is None:
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
+    paths = [_sgd_path(group) for group in opt.param_groups]
     # (a learning rate that is no float stays in the key: a tensor one keeps the call per op)
-    passed = ("lr",) if _single_tensor_on_cpu(opt) and all(type(g["lr"]) is float for g in opt.param_groups) else ()
+    passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
     try:
         values = _hyperparameters(opt, passed)
     except TypeError:
         return args, kwargs, None
     lrs: list[float] = []
-    for group in opt.param_groups:
+    for group, path in zip(opt.param_groups, paths):
         momentum = group["momentum"]
+        buckets = set()
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -180,8 +191,11 @@ def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
                 return args, kwargs, None
             state = opt.state.get(p) if momentum != 0 else None
             tensors += (p, g, state.get("momentum_buffer") if state else None)
-            if passed:
+            buckets.add((p.device, p.dtype))
+            if passed and path == "single":
                 lrs.append(-group["lr"])
+        if passed and path != "single":
+            lrs += [group["lr"] if path == "fused" else -group["lr"]] * len(buckets)
     if not lrs:
         return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))

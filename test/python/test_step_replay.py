@@ -155,13 +155,60 @@ def test_a_learning_rate_scheduled_every_step_is_a_number_and_replays():
     assert r.runner["calls_recorded"] <= 2, str((r.runner, r.iterations, r.reasons))
 
 
-def test_a_foreach_sgd_keeps_its_learning_rate_in_the_key():
-    """The foreach path gives the learning rate to one op per group of tensors, not one per
-    parameter: the stand-in does not pass it as numbers, a new value is a new key (backoff)."""
-    r = check(*scheduled(sgd(lr=0.1, momentum=0.9, foreach=True),
-                         lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+@pytest.mark.parametrize("kw", [
+    dict(lr=0.1, momentum=0.9, foreach=True),
+    dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=True),
+    dict(lr=0.1, weight_decay=1e-3, maximize=True, foreach=True),
+    dict(lr=0.1, momentum=0.9, fused=True),
+    dict(lr=0.1, fused=True),
+], ids=["foreach-momentum", "foreach-nesterov-decay", "foreach-maximize", "fused-momentum", "fused"])
+def test_foreach_and_fused_sgd_under_a_schedule_are_replayed_bitwise(kw):
+    """The foreach and fused paths give the learning rate to one op per group of tensors
+    (`_foreach_add_(..., alpha=-lr)`, `_fused_sgd_(..., lr=lr)`): a number of the key there too."""
+    r = check(*scheduled(sgd(**kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    steps_replayed(r)
+    assert r.runner["calls_recorded"] <= 3, str((r.runner, r.iterations, r.reasons))
+
+
+def two_dtypes_two_groups(**kw: Any) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer]]:
+    """Two param groups with their own learning rates; the second's parameters in two dtypes
+    (torch's foreach and fused paths make one op per dtype: two ops that receive its rate)."""
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 16).double()
+            self.c = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)).double())).float())
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = Mixed()
+        groups = [{"params": model.a.parameters(), "lr": 0.05},
+                  {"params": [*model.b.parameters(), *model.c.parameters()], "lr": 0.1}]
+        return model, torch.optim.SGD(groups, **kw)
+    return make
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, foreach=True), dict(momentum=0.9, fused=True),
+                                dict(momentum=0.9)], ids=["foreach", "fused", "single"])
+def test_sgd_over_two_groups_and_two_dtypes_under_a_schedule_replays_bitwise(kw):
+    r = check(*scheduled(two_dtypes_two_groups(**kw),
+                         lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, [lambda i: 0.97 ** i, lambda i: 1 / (1 + i)])))
+    steps_replayed(r)
+    assert r.runner["calls_recorded"] <= 3, str((r.runner, r.iterations, r.reasons))
+
+
+def test_a_tensor_learning_rate_stays_in_the_key():
+    """A learning rate given as a tensor reaches the ops as a tensor, not as a Python number: the
+    stand-in does not pass it, and the step stays exact (a new value is a new key; backoff)."""
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9, foreach=True)
+
+    r = check(*scheduled(make, lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     assert r.runner["calls_replayed"] == 0, r.runner
-    assert r.runner["calls_recorded"] <= _optimizer.CHANGES_BEFORE_BACKOFF + 2, r.runner
 
 
 class TwoBranches(nn.Module):
