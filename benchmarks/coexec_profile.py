@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-OPTIMIZERS = ("sgd", "adam", "adam-fused", "adam-foreach")
+OPTIMIZERS = ("sgd", "sgd-foreach", "adam", "adam-fused", "adam-foreach")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eager", action="store_true", help="run eagerly (the same loop, for comparison)")
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--schedule", action="store_true",
+                   help="a learning rate set every step (ExponentialLR stepped after each opt.step())")
     p.add_argument("--program", default=None, help="a benchmark program (benchmarks/programs) instead of the MLP")
     p.add_argument("--optimize", choices=("none", "fused"), default="none",
                    help="with --program: optimize=\"fused\" (compiled segments); the loop waits until they are "
@@ -48,13 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     params = model.parameters()
+    if not args.eager:  # (before the scheduler: it wraps the optimizer's step() as it finds it)
+        import terra_torch
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+           "sgd-foreach": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True),
            "adam": lambda: torch.optim.Adam(params, lr=1e-3),
            "adam-fused": lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
            "adam-foreach": lambda: torch.optim.Adam(params, lr=1e-3, foreach=True)}[args.optimizer]()
+    schedule = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9999) if args.schedule else None
     if not args.eager:
-        import terra_torch
-
         model = terra_torch.wrap(model)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(32, 32, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(8)]
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
     if not args.eager:
         terra_torch.synchronize()
     n = args.steps - warm
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.eager:
         s = terra_torch.stats(model)
         print("  iterations", s.iterations, "fallbacks", s.fallbacks,
-              {k: s.runner.get(k) for k in ("backward_replayed", "python_reads", "known_reads")})
+              {k: s.runner.get(k) for k in ("backward_replayed", "calls_replayed", "calls_per_op", "python_reads",
+                                            "known_reads")})
         from benchmarks.harness.terra import TIME_FIELDS
 
         done = max(1, sum(s.iterations.values()))
