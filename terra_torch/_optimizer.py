@@ -1,5 +1,6 @@
-"""optimizer.step() (SGD, Adam, AdamW) and clip_grad_norm_ in co-execution without their Python
-(docs/RUNTIME.md, "optimizer.step() in co-execution"; csrc/runtime/call_replay.h).
+"""optimizer.step() (SGD, Adam, AdamW, RMSprop, Adagrad) and clip_grad_norm_ in co-execution
+without their Python (docs/RUNTIME.md, "optimizer.step() in co-execution";
+csrc/runtime/call_replay.h).
 
 `torch.optim.SGD.step` issues the same in-place ops every iteration (`param.add_(grad,
 alpha=-lr)`, with momentum `buf.mul_(momentum).add_(grad, alpha=1 - dampening)` first), and
@@ -18,7 +19,8 @@ the hyperparameters (the param groups; clip's max_norm, norm_type and flags), co
 value (floats bit for bit). Tensors are the runtime's to compare: each parameter, its gradient and
 its optimizer state (or None). A call whose Python state changes (the first step, which makes the
 momentum buffers) is not kept. Adam's numbers also change every step (bias corrections of the step
-count): the stand-in computes them from the step counters Python knows and passes them along.
+count), and so do Adagrad's step sizes: the stand-in computes them from the step counters Python
+knows and passes them along.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from torch.optim import SGD, Adam, Optimizer
+from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
 
 from terra_torch import runtime
 
@@ -298,6 +300,101 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
 
 
+# ---- RMSprop.step and Adagrad.step -----------------------------------------------------------------
+
+
+def _rmsprop_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What RMSprop's step (torch/optim/rmsprop.py) reads: the hyperparameters by value, and per
+    parameter the parameter, its gradient, its square average, its gradient average (centered),
+    its momentum buffer and its step counter, which the body increments but never reads. The
+    learning rate is the key's number, as for SGD: `param.addcdiv_(grad, avg, value=-lr)` (or
+    `param.add_(buf, alpha=-lr)` with momentum) per parameter on the single-tensor path, the
+    foreach equivalent once per device and dtype of a group."""
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
+        return args, kwargs, None
+    if any(group["capturable"] or group["differentiable"] for group in opt.param_groups):
+        return args, kwargs, None
+    paths = [_sgd_path(group) for group in opt.param_groups]  # (no fused RMSprop: the same choice)
+    passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
+    try:
+        values = _hyperparameters(opt, passed)
+    except TypeError:
+        return args, kwargs, None
+    tensors: list[torch.Tensor | None] = []
+    lrs: list[float] = []
+    for group, path in zip(opt.param_groups, paths):
+        buckets = set()
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                tensors += (p, None, None, None, None, None)
+                continue
+            if g.is_sparse or p.is_complex():
+                return args, kwargs, None
+            state = opt.state.get(p) or {}  # (the first step makes it: that call is not kept)
+            tensors += (p, g, state.get("square_avg"), state.get("grad_avg"), state.get("momentum_buffer"),
+                        state.get("step"))
+            buckets.add((p.device, p.dtype))
+            if passed and path == "single":
+                lrs.append(-group["lr"])
+        if passed and path == "foreach":
+            lrs += [-group["lr"]] * len(buckets)
+    if not lrs:
+        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
+
+
+def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What Adagrad's single-tensor step (torch/optim/adagrad.py, the CPU default) reads: the
+    hyperparameters by value, and per parameter the parameter, its gradient, its sum of squares
+    and its step counter. Its numbers are each parameter's `-clr`, `clr = lr / (1 + (step - 1) *
+    lr_decay)` from the counter after `step_t += 1`, which Python knows (as Adam's bias
+    corrections: runtime/known_values.h). The foreach and fused paths keep the per-op path."""
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
+        return args, kwargs, None
+    if any(group.get("foreach") or group.get("fused") or group["differentiable"] or type(group["lr"]) is not float
+           for group in opt.param_groups):
+        return args, kwargs, None
+    try:
+        values = _hyperparameters(opt, ("lr",))
+    except TypeError:
+        return args, kwargs, None
+    tensors: list[torch.Tensor | None] = []
+    groups: list[tuple[float, float, list[torch.Tensor]]] = []  # (lr, lr_decay, step counters with a gradient)
+    for group in opt.param_groups:
+        counters: list[torch.Tensor] = []
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                tensors += (p, None, None, None)
+                continue
+            state = opt.state.get(p)
+            # (Adagrad makes its state in __init__; a parameter off the CPU may make foreach the default)
+            if not state or g.is_sparse or p.is_complex() or p.device.type != "cpu" or \
+                    state["step"].dtype not in (torch.float32, torch.float64):
+                return args, kwargs, None
+            tensors += (p, g, state["sum"], state["step"])
+            counters.append(state["step"])
+        groups.append((group["lr"], group["lr_decay"], counters))
+
+    def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
+        out: list[float] = []
+        after: list[tuple[torch.Tensor, float]] = []
+        for lr, lr_decay, counters in groups:
+            known = session.known_numbers(counters)
+            if any(v is None for v in known):
+                return None
+            for counter, before in zip(counters, known):
+                step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
+                after.append((counter, step))
+                out.append(-(lr / (1 + (step - 1) * lr_decay)))  # param.addcdiv_(grad, std, value=-clr)
+        return out, after
+
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
+
+
 # ---- clip_grad_norm_ ----------------------------------------------------------------------------
 
 _CLIP_ARGUMENTS = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
@@ -393,11 +490,11 @@ def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Idempotent. SGD's step body is replaced under torch's profiling wrapper whether or not an
-    SGD was made before (torch wraps the class's step at the first); clip_grad_norm_ where
+    """Idempotent. Each optimizer's step body is replaced under torch's profiling wrapper whether or
+    not one was made before (torch wraps the class's step at the first); clip_grad_norm_ where
     torch.nn.utils and its clip_grad module name it (a program that imported the name before
     terra_torch keeps torch's own)."""
-    for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key)):
+    for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key), (RMSprop, _rmsprop_key), (Adagrad, _adagrad_key)):
         current = cls.__dict__["step"]
         if getattr(current, "hooked", False):
             inner = current.__wrapped__

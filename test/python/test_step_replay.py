@@ -488,3 +488,52 @@ def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
     # (Bitwise above. In the full suite this program traced 8 iterations before co-executing, 4
     # alone; a third of the steps replayed is the claim.)
     assert r.runner["calls_replayed"] >= STEPS // 3, r.runner
+
+
+# ---- RMSprop and Adagrad ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=1e-2),
+    dict(lr=1e-2, momentum=0.9, centered=True, weight_decay=1e-3),
+    dict(lr=1e-2, momentum=0.5, maximize=True),
+    dict(lr=1e-2, momentum=0.9, foreach=True),
+    dict(lr=1e-2, centered=True, foreach=True),
+], ids=["plain", "momentum-centered-decay", "momentum-maximize", "foreach-momentum", "foreach-centered"])
+def test_rmsprop_steps_under_a_schedule_are_replayed_bitwise(kw):
+    """RMSprop's learning rate reaches one op per parameter (or per foreach group) as `-lr`; its
+    step counters are written, never read."""
+    r = check(*scheduled(adam(torch.optim.RMSprop, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    steps_replayed(r)
+    assert r.runner["calls_recorded"] <= 4, str((r.runner, r.iterations, r.reasons))
+
+
+@pytest.mark.parametrize("kw,scheduled_lr", [
+    (dict(lr=5e-2), False),
+    (dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-3), False),
+    (dict(lr=5e-2, lr_decay=1e-3, initial_accumulator_value=0.1, maximize=True), True),
+], ids=["plain", "lr-decay-weight-decay", "lr-decay-scheduled-maximize"])
+def test_adagrad_steps_are_replayed_bitwise(kw, scheduled_lr):
+    """Adagrad's step size `lr / (1 + (step - 1) * lr_decay)` changes every step with the counter
+    Python knows: a number the stand-in computes, as Adam's bias corrections. The counters end
+    where eager's do."""
+    make, step = adam(torch.optim.Adagrad, **kw), plain_step
+    if scheduled_lr:
+        make, step = scheduled(make, lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97))
+    states = []
+
+    def counted(model, opt, i, log):
+        step(model, opt, i, log)
+        if i == STEPS - 1:
+            states.append([float(opt.state[p]["step"]) for p in model.parameters()])
+
+    r = check(make, counted, max_fallbacks=1)  # (the last iteration reads the counters: a new path)
+    assert states[0] == states[1] == [float(STEPS)] * len(states[0])
+    steps_replayed(r, untraced=12)
+
+
+def test_foreach_adagrad_keeps_the_per_op_path():
+    """Its step sizes reach `_foreach_mul_` as a list computed from the counters: not passed as
+    numbers (yet), so the call stays per op, and exact."""
+    r = check(adam(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, foreach=True), plain_step)
+    assert r.runner["calls_replayed"] == 0, r.runner
