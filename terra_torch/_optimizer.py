@@ -346,25 +346,28 @@ def _rmsprop_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
 
 
 def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
-    """What Adagrad's single-tensor step (torch/optim/adagrad.py, the CPU default) reads: the
-    hyperparameters by value, and per parameter the parameter, its gradient, its sum of squares
-    and its step counter. Its numbers are each parameter's `-clr`, `clr = lr / (1 + (step - 1) *
-    lr_decay)` from the counter after `step_t += 1`, which Python knows (as Adam's bias
-    corrections: runtime/known_values.h). The foreach and fused paths keep the per-op path."""
+    """What Adagrad's step (torch/optim/adagrad.py) reads: the hyperparameters by value, and per
+    parameter the parameter, its gradient, its sum of squares and its step counter. Its numbers
+    are each parameter's `-clr`, `clr = lr / (1 + (step - 1) * lr_decay)` from the counter after
+    `step_t += 1`, which Python knows (as Adam's bias corrections: runtime/known_values.h): the
+    single-tensor path (the CPU default) gives it to `param.addcdiv_` per parameter, the foreach
+    path (one device and dtype per group) to `_foreach_mul_` as a list. The fused op computes
+    them itself from the counters: it receives `lr`, once per dtype."""
     opt = _keyed_step(args, kwargs)
     if opt is None:
         return args, kwargs, None
-    if any(group.get("foreach") or group.get("fused") or group["differentiable"] or type(group["lr"]) is not float
-           for group in opt.param_groups):
+    if any(group["differentiable"] or type(group["lr"]) is not float for group in opt.param_groups):
         return args, kwargs, None
     try:
         values = _hyperparameters(opt, ("lr",))
     except TypeError:
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
-    groups: list[tuple[float, float, list[torch.Tensor]]] = []  # (lr, lr_decay, step counters with a gradient)
+    # Per group: (fused, lr, lr_decay, step counters with a gradient, dtypes of those parameters)
+    groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
         counters: list[torch.Tensor] = []
+        dtypes = set()
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -377,19 +380,25 @@ def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
                 return args, kwargs, None
             tensors += (p, g, state["sum"], state["step"])
             counters.append(state["step"])
-        groups.append((group["lr"], group["lr_decay"], counters))
+            dtypes.add(p.dtype)
+        if group.get("foreach") and not group.get("fused") and len(dtypes) > 1:
+            return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
+        groups.append((bool(group.get("fused")), group["lr"], group["lr_decay"], counters, dtypes))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for lr, lr_decay, counters in groups:
+        for fused, lr, lr_decay, counters, dtypes in groups:
+            if fused:
+                out += [lr] * len(dtypes)
+                continue
             known = session.known_numbers(counters)
             if any(v is None for v in known):
                 return None
             for counter, before in zip(counters, known):
                 step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
                 after.append((counter, step))
-                out.append(-(lr / (1 + (step - 1) * lr_decay)))  # param.addcdiv_(grad, std, value=-clr)
+                out.append(-lr / (1 + (step - 1) * lr_decay))  # (-(lr / x) in the single-tensor body: the same bits)
         return out, after
 
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)

@@ -532,8 +532,17 @@ def test_adagrad_steps_are_replayed_bitwise(kw, scheduled_lr):
     steps_replayed(r, untraced=12)
 
 
-def test_foreach_adagrad_keeps_the_per_op_path():
-    """Its step sizes reach `_foreach_mul_` as a list computed from the counters: not passed as
-    numbers (yet), so the call stays per op, and exact."""
-    r = check(adam(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, foreach=True), plain_step)
-    assert r.runner["calls_replayed"] == 0, r.runner
+@pytest.mark.parametrize("kw", [dict(lr=5e-2, lr_decay=1e-2, foreach=True),
+                                dict(lr=5e-2, lr_decay=1e-3, weight_decay=1e-3, maximize=True, foreach=True)],
+                         ids=["foreach", "foreach-decay-maximize"])
+def test_foreach_adagrad_steps_are_replayed_bitwise(kw):
+    """Its step sizes reach `_foreach_mul_` as a list, one element per parameter (fed floats)."""
+    r = check(*scheduled(adam(torch.optim.Adagrad, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    steps_replayed(r, untraced=12)
+
+
+def test_fused_adagrad_steps_under_a_schedule_are_replayed_bitwise():
+    """`_fused_adagrad_` computes its step sizes from the counters itself; it receives `lr`."""
+    r = check(*scheduled(adam(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, fused=True),
+                         lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    steps_replayed(r)
