@@ -348,6 +348,20 @@ def adam(cls=torch.optim.Adam, **kw: Any) -> Callable[[], tuple[nn.Module, torch
     return make
 
 
+def check_counted(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], step: Callable[..., None]):
+    """`check`, with the optimizer's step counters read after the last step: where eager's are."""
+    states = []
+
+    def counted(model, opt, i, log):
+        step(model, opt, i, log)
+        if i == STEPS - 1:
+            states.append([float(opt.state[p]["step"]) for p in model.parameters()])
+
+    r = check(make, counted, max_fallbacks=1)  # (the last iteration reads the counters: a new path)
+    assert states[0] == states[1] == [float(STEPS)] * len(states[0])
+    return r
+
+
 @pytest.mark.parametrize("make", [
     adam(lr=1e-2),
     adam(lr=1e-2, weight_decay=1e-2, amsgrad=True),
@@ -357,15 +371,7 @@ def adam(cls=torch.optim.Adam, **kw: Any) -> Callable[[], tuple[nn.Module, torch
 def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
     """Adam's step sizes change every step (bias corrections of the step count): the stand-in
     computes them from the step counters Python knows, the replay feeds them."""
-    states = []
-
-    def step(model, opt, i, log):
-        plain_step(model, opt, i, log)
-        if i == STEPS - 1:
-            states.append([float(opt.state[p]["step"]) for p in model.parameters()])
-
-    r = check(make, step, max_fallbacks=1)  # (the last iteration reads the counters: a new path)
-    assert states[0] == states[1] == [float(STEPS)] * len(states[0])
+    r = check_counted(make, plain_step)
     # The first co-executed steps are recorded twice (a memo with numbers is trusted once a
     # second recording agrees), the rest replayed.
     steps_replayed(r, untraced=12)
@@ -520,16 +526,7 @@ def test_adagrad_steps_are_replayed_bitwise(kw, scheduled_lr):
     make, step = adam(torch.optim.Adagrad, **kw), plain_step
     if scheduled_lr:
         make, step = scheduled(make, lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97))
-    states = []
-
-    def counted(model, opt, i, log):
-        step(model, opt, i, log)
-        if i == STEPS - 1:
-            states.append([float(opt.state[p]["step"]) for p in model.parameters()])
-
-    r = check(make, counted, max_fallbacks=1)  # (the last iteration reads the counters: a new path)
-    assert states[0] == states[1] == [float(STEPS)] * len(states[0])
-    steps_replayed(r, untraced=12)
+    steps_replayed(check_counted(make, step), untraced=12)
 
 
 @pytest.mark.parametrize("kw", [dict(lr=5e-2, lr_decay=1e-2, foreach=True),
