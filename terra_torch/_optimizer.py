@@ -1,5 +1,5 @@
-"""optimizer.step() (SGD, Adam, AdamW, RMSprop, Adagrad) and clip_grad_norm_ in co-execution
-without their Python (docs/RUNTIME.md, "optimizer.step() in co-execution";
+"""optimizer.step() (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta) and clip_grad_norm_ in
+co-execution without their Python (docs/RUNTIME.md, "optimizer.step() in co-execution";
 csrc/runtime/call_replay.h).
 
 `torch.optim.SGD.step` issues the same in-place ops every iteration (`param.add_(grad,
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
+from torch.optim import SGD, Adadelta, Adagrad, Adam, Optimizer, RMSprop
 
 from terra_torch import runtime
 
@@ -300,49 +300,59 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
 
 
-# ---- RMSprop.step and Adagrad.step -----------------------------------------------------------------
+# ---- RMSprop, Adadelta and Adagrad -----------------------------------------------------------------
 
 
-def _rmsprop_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
-    """What RMSprop's step (torch/optim/rmsprop.py) reads: the hyperparameters by value, and per
-    parameter the parameter, its gradient, its square average, its gradient average (centered),
-    its momentum buffer and its step counter, which the body increments but never reads. The
-    learning rate is the key's number, as for SGD: `param.addcdiv_(grad, avg, value=-lr)` (or
-    `param.add_(buf, alpha=-lr)` with momentum) per parameter on the single-tensor path, the
-    foreach equivalent once per device and dtype of a group."""
-    opt = _keyed_step(args, kwargs)
-    if opt is None:
-        return args, kwargs, None
-    if any(group["capturable"] or group["differentiable"] for group in opt.param_groups):
-        return args, kwargs, None
-    paths = [_sgd_path(group) for group in opt.param_groups]  # (no fused RMSprop: the same choice)
-    passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
-    try:
-        values = _hyperparameters(opt, passed)
-    except TypeError:
-        return args, kwargs, None
-    tensors: list[torch.Tensor | None] = []
-    lrs: list[float] = []
-    for group, path in zip(opt.param_groups, paths):
-        buckets = set()
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                tensors += (p, None, None, None, None, None)
-                continue
-            if g.is_sparse or p.is_complex():
-                return args, kwargs, None
-            state = opt.state.get(p) or {}  # (the first step makes it: that call is not kept)
-            tensors += (p, g, state.get("square_avg"), state.get("grad_avg"), state.get("momentum_buffer"),
-                        state.get("step"))
-            buckets.add((p.device, p.dtype))
-            if passed and path == "single":
-                lrs.append(-group["lr"])
-        if passed and path == "foreach":
-            lrs += [-group["lr"]] * len(buckets)
-    if not lrs:
-        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
-    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
+KeyOf = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], "_Key | None"]]
+
+
+def _lr_only_key(state_names: tuple[str, ...]) -> KeyOf:
+    """The key of an optimizer whose ops receive no number that changes but the learning rate, as
+    `-lr`, once per parameter on the single-tensor path and once per device and dtype of a group
+    on the foreach path (RMSprop: `param.addcdiv_(grad, avg, value=-lr)` or, with momentum,
+    `param.add_(buf, alpha=-lr)`; Adadelta: `param.add_(delta, alpha=-lr)`): the hyperparameters
+    by value, and per parameter the parameter, its gradient and its state `state_names` (the step
+    counter among them: incremented, never read)."""
+
+    def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+        opt = _keyed_step(args, kwargs)
+        if opt is None:
+            return args, kwargs, None
+        if any(group["capturable"] or group["differentiable"] for group in opt.param_groups):
+            return args, kwargs, None
+        paths = [_sgd_path(group) for group in opt.param_groups]  # (no fused body: SGD's choice)
+        passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
+        try:
+            values = _hyperparameters(opt, passed)
+        except TypeError:
+            return args, kwargs, None
+        tensors: list[torch.Tensor | None] = []
+        lrs: list[float] = []
+        for group, path in zip(opt.param_groups, paths):
+            buckets = set()
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    tensors += (p, None) + (None,) * len(state_names)
+                    continue
+                if g.is_sparse or p.is_complex():
+                    return args, kwargs, None
+                state = opt.state.get(p) or {}  # (the first step makes it: that call is not kept)
+                tensors += (p, g) + tuple(state.get(name) for name in state_names)
+                buckets.add((p.device, p.dtype))
+                if passed and path == "single":
+                    lrs.append(-group["lr"])
+            if passed and path == "foreach":
+                lrs += [-group["lr"]] * len(buckets)
+        if not lrs:
+            return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
+
+    return key_of
+
+
+_rmsprop_key = _lr_only_key(("square_avg", "grad_avg", "momentum_buffer", "step"))  # torch/optim/rmsprop.py
+_adadelta_key = _lr_only_key(("square_avg", "acc_delta", "step"))  # torch/optim/adadelta.py
 
 
 def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
@@ -446,9 +456,6 @@ def _clip_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
 # ---- the stand-ins ------------------------------------------------------------------------------
 
 
-KeyOf = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], "_Key | None"]]
-
-
 def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:
     """`body` through the co-executing program's runtime: replayed where a recorded call has the
     key `key_of` gives, recorded where it has none yet, run as it is otherwise."""
@@ -503,7 +510,8 @@ def install() -> None:
     not one was made before (torch wraps the class's step at the first); clip_grad_norm_ where
     torch.nn.utils and its clip_grad module name it (a program that imported the name before
     terra_torch keeps torch's own)."""
-    for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key), (RMSprop, _rmsprop_key), (Adagrad, _adagrad_key)):
+    for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key), (RMSprop, _rmsprop_key), (Adagrad, _adagrad_key),
+                        (Adadelta, _adadelta_key)):
         current = cls.__dict__["step"]
         if getattr(current, "hooked", False):
             inner = current.__wrapped__

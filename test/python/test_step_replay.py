@@ -543,3 +543,11 @@ def test_fused_adagrad_steps_under_a_schedule_are_replayed_bitwise():
     r = check(*scheduled(adam(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, fused=True),
                          lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=1.0), dict(lr=0.5, rho=0.8, weight_decay=1e-3, maximize=True),
+                                dict(lr=1.0, foreach=True)], ids=["plain", "rho-decay-maximize", "foreach"])
+def test_adadelta_steps_under_a_schedule_are_replayed_bitwise(kw):
+    """Adadelta, like RMSprop: `-lr` per parameter (or per foreach group); counters never read."""
+    r = check(*scheduled(adam(torch.optim.Adadelta, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    steps_replayed(r)
