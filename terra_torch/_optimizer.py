@@ -143,15 +143,16 @@ def _key_state(opt: Optimizer) -> _KeyState:
     return state
 
 
-# ---- SGD.step -----------------------------------------------------------------------------------
+# ---- SGD, RMSprop and Adadelta -------------------------------------------------------------------
 
 _optimizer_keys: "weakref.WeakKeyDictionary[Optimizer, _KeyState]" = weakref.WeakKeyDictionary()
 
 
-def _sgd_path(group: dict[str, Any]) -> str | None:
-    """Which body steps an SGD group (torch/optim/sgd.py): "fused" (`_fused_sgd_`), "foreach"
-    (`_multi_tensor_sgd`) or "single" (`_single_tensor_sgd`); None where torch's default would
-    pick by device (foreach and fused unset, a parameter off the CPU: foreach on CUDA)."""
+def _step_path(group: dict[str, Any]) -> str | None:
+    """Which body steps a param group of SGD, RMSprop or Adadelta (torch/optim/sgd.py and the
+    like): "fused" (`_fused_sgd_`), "foreach" (`_multi_tensor_*`) or "single" (`_single_tensor_*`);
+    None where torch's default would pick by device (foreach and fused unset, a parameter off the
+    CPU: foreach on CUDA)."""
     if group.get("fused"):
         return "fused"
     if group.get("foreach"):
@@ -161,49 +162,64 @@ def _sgd_path(group: dict[str, Any]) -> str | None:
     return None
 
 
-def _sgd_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
-    """What SGD's step reads: the hyperparameters by value, and per parameter the parameter, its
-    gradient and its momentum buffer; None where the step cannot be keyed. The learning rate is a
-    number of the key, not part of it (a scheduler that sets a new one every step does not make
-    every call new), in the order the ops receive it: the single-tensor path's
-    `param.add_(grad, alpha=-lr)` per parameter with a gradient; the foreach path's
-    `_foreach_add_(params, grads, alpha=-lr)` and the fused path's `_fused_sgd_(..., lr=lr)` once
-    per device and dtype of the group's parameters with a gradient (torch groups them so)."""
-    opt = _keyed_step(args, kwargs)
-    if opt is None:
-        return args, kwargs, None
-    tensors: list[torch.Tensor | None] = []
-    paths = [_sgd_path(group) for group in opt.param_groups]
-    # (a learning rate that is no float stays in the key: a tensor one keeps the call per op)
-    passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
-    try:
-        values = _hyperparameters(opt, passed)
-    except TypeError:
-        return args, kwargs, None
-    lrs: list[float] = []
-    for group, path in zip(opt.param_groups, paths):
-        momentum = group["momentum"]
-        buckets = set()
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                tensors += (p, None, None)
-                continue
-            if g.is_sparse:
-                return args, kwargs, None
-            state = opt.state.get(p) if momentum != 0 else None
-            tensors += (p, g, state.get("momentum_buffer") if state else None)
-            buckets.add((p.device, p.dtype))
-            if passed and path == "single":
-                lrs.append(-group["lr"])
-        if passed and path != "single":
-            lrs += [group["lr"] if path == "fused" else -group["lr"]] * len(buckets)
-    if not lrs:
-        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
-    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
+KeyOf = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], "_Key | None"]]
 
 
-# ---- Adam.step (AdamW's too: it inherits it) ------------------------------------------------------
+def _lr_passed_key(state_names: tuple[str, ...]) -> KeyOf:
+    """The key of an optimizer whose ops receive no Python number that changes but the learning
+    rate: the hyperparameters by value, and per parameter the parameter, its gradient and its
+    state `state_names` (None before the first step makes it: that call is not kept). The
+    learning rate is the key's number, not part of it (a scheduler that sets a new one every step
+    does not make every call new), in the order the ops receive it: the single-tensor path's
+    `-lr` per parameter with a gradient (SGD's `param.add_(grad, alpha=-lr)`, RMSprop's
+    `param.addcdiv_(grad, avg, value=-lr)`, Adadelta's `param.add_(delta, alpha=-lr)`); the
+    foreach path's `-lr` (`_foreach_add_(params, ..., alpha=-lr)`) and fused SGD's `lr`
+    (`_fused_sgd_(..., lr=lr)`) once per device and dtype of the group's parameters with a
+    gradient (torch groups them so)."""
+
+    def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+        opt = _keyed_step(args, kwargs)
+        if opt is None or any(group.get("capturable") or group.get("differentiable")
+                              for group in opt.param_groups):
+            return args, kwargs, None
+        paths = [_step_path(group) for group in opt.param_groups]
+        # (an int learning rate stays in the key; a tensor one is no plain value: no key at all)
+        passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
+        try:
+            values = _hyperparameters(opt, passed)
+        except TypeError:
+            return args, kwargs, None
+        tensors: list[torch.Tensor | None] = []
+        lrs: list[float] = []
+        for group, path in zip(opt.param_groups, paths):
+            buckets = set()
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    tensors += (p, None) + (None,) * len(state_names)
+                    continue
+                if g.is_sparse:
+                    return args, kwargs, None
+                state = opt.state.get(p) or {}
+                tensors += (p, g) + tuple(state.get(name) for name in state_names)
+                buckets.add((p.device, p.dtype))
+                if passed and path == "single":
+                    lrs.append(-group["lr"])
+            if passed and path != "single":
+                lrs += [group["lr"] if path == "fused" else -group["lr"]] * len(buckets)
+        if not lrs:
+            return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
+        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
+
+    return key_of
+
+
+_sgd_key = _lr_passed_key(("momentum_buffer",))  # torch/optim/sgd.py
+_rmsprop_key = _lr_passed_key(("square_avg", "grad_avg", "momentum_buffer", "step"))  # rmsprop.py
+_adadelta_key = _lr_passed_key(("square_avg", "acc_delta", "step"))  # adadelta.py (counters: never read)
+
+
+# ---- Adam.step (AdamW's too: it inherits it) -----------------------------------------------------
 
 
 def _float32(x: float) -> float:
@@ -300,59 +316,7 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
 
 
-# ---- RMSprop, Adadelta and Adagrad -----------------------------------------------------------------
-
-
-KeyOf = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], "_Key | None"]]
-
-
-def _lr_only_key(state_names: tuple[str, ...]) -> KeyOf:
-    """The key of an optimizer whose ops receive no number that changes but the learning rate, as
-    `-lr`, once per parameter on the single-tensor path and once per device and dtype of a group
-    on the foreach path (RMSprop: `param.addcdiv_(grad, avg, value=-lr)` or, with momentum,
-    `param.add_(buf, alpha=-lr)`; Adadelta: `param.add_(delta, alpha=-lr)`): the hyperparameters
-    by value, and per parameter the parameter, its gradient and its state `state_names` (the step
-    counter among them: incremented, never read)."""
-
-    def key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
-        opt = _keyed_step(args, kwargs)
-        if opt is None:
-            return args, kwargs, None
-        if any(group["capturable"] or group["differentiable"] for group in opt.param_groups):
-            return args, kwargs, None
-        paths = [_sgd_path(group) for group in opt.param_groups]  # (no fused body: SGD's choice)
-        passed = ("lr",) if None not in paths and all(type(g["lr"]) is float for g in opt.param_groups) else ()
-        try:
-            values = _hyperparameters(opt, passed)
-        except TypeError:
-            return args, kwargs, None
-        tensors: list[torch.Tensor | None] = []
-        lrs: list[float] = []
-        for group, path in zip(opt.param_groups, paths):
-            buckets = set()
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    tensors += (p, None) + (None,) * len(state_names)
-                    continue
-                if g.is_sparse or p.is_complex():
-                    return args, kwargs, None
-                state = opt.state.get(p) or {}  # (the first step makes it: that call is not kept)
-                tensors += (p, g) + tuple(state.get(name) for name in state_names)
-                buckets.add((p.device, p.dtype))
-                if passed and path == "single":
-                    lrs.append(-group["lr"])
-            if passed and path == "foreach":
-                lrs += [-group["lr"]] * len(buckets)
-        if not lrs:
-            return args, kwargs, _Key(_key_state(opt), tuple(values), tensors)
-        return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, lambda session: (lrs, []))
-
-    return key_of
-
-
-_rmsprop_key = _lr_only_key(("square_avg", "grad_avg", "momentum_buffer", "step"))  # torch/optim/rmsprop.py
-_adadelta_key = _lr_only_key(("square_avg", "acc_delta", "step"))  # torch/optim/adadelta.py
+# ---- Adagrad.step --------------------------------------------------------------------------------
 
 
 def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
@@ -414,7 +378,7 @@ def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
 
 
-# ---- clip_grad_norm_ ----------------------------------------------------------------------------
+# ---- clip_grad_norm_ -----------------------------------------------------------------------------
 
 _CLIP_ARGUMENTS = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
 _clip_keys = _KeyState()
@@ -453,7 +417,7 @@ def _clip_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     return args, kwargs, _Key(_clip_keys, values, [p.grad for p in parameters])
 
 
-# ---- the stand-ins ------------------------------------------------------------------------------
+# ---- the stand-ins -------------------------------------------------------------------------------
 
 
 def _stand_in(body: Callable[..., Any], key_of: KeyOf) -> Callable[..., Any]:

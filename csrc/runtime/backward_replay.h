@@ -138,7 +138,7 @@ struct LeafOutcome {
 // A recorded backward() and the key under which it replays.
 struct BackwardMemo {
   // ---- the key ----
-  uint64_t path = 0;          // hash of the nodes the cursor matched, and their sizes, in the iteration so far
+  uint64_t path = 0;          // hash of the nodes the cursor matched and their sizes so far
   size_t records_before = 0;  // region records and externals when backward() was called
   size_t externals_before = 0;
   std::vector<capture::ValueRef> roots, grads;

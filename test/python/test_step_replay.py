@@ -201,8 +201,8 @@ def test_sgd_over_two_groups_and_two_dtypes_under_a_schedule_replays_bitwise(kw)
 
 
 def test_a_tensor_learning_rate_stays_in_the_key():
-    """A learning rate given as a tensor reaches the ops as a tensor, not as a Python number: the
-    stand-in does not pass it, and the step stays exact (a new value is a new key; backoff)."""
+    """A learning rate given as a tensor (which a scheduler writes in place) is no plain
+    hyperparameter: the stand-in keys no call, the step runs per op, and stays exact."""
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
         return model, torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9, foreach=True)
@@ -341,7 +341,8 @@ def test_a_fallback_inside_a_stand_in_is_not_blamed_on_terra_torch():
 # ---- Adam and AdamW -----------------------------------------------------------------------------
 
 
-def adam(cls=torch.optim.Adam, **kw: Any) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer]]:
+def tanh_mlp(cls=torch.optim.Adam, **kw: Any) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer]]:
+    """The MLP with tanh, stepped by `cls` (Adam unless told) with `kw`."""
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
         return model, cls(model.parameters(), **kw)
@@ -363,10 +364,10 @@ def check_counted(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], s
 
 
 @pytest.mark.parametrize("make", [
-    adam(lr=1e-2),
-    adam(lr=1e-2, weight_decay=1e-2, amsgrad=True),
-    adam(torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.95)),
-    adam(lr=3e-3, maximize=True, eps=1e-6),
+    tanh_mlp(lr=1e-2),
+    tanh_mlp(lr=1e-2, weight_decay=1e-2, amsgrad=True),
+    tanh_mlp(torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.95)),
+    tanh_mlp(lr=3e-3, maximize=True, eps=1e-6),
 ], ids=["adam", "decay-amsgrad", "adamw", "maximize-eps"])
 def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
     """Adam's step sizes change every step (bias corrections of the step count): the stand-in
@@ -378,7 +379,7 @@ def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
 
 
 def test_adam_with_a_learning_rate_changed_by_a_scheduler_stays_exact():
-    r = check(*scheduled(adam(lr=1e-2), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3)))
+    r = check(*scheduled(tanh_mlp(lr=1e-2), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3)))
     assert r.runner["calls_replayed"] >= STEPS // 2, r.runner
 
 
@@ -390,10 +391,10 @@ def warmup_then_cosine(opt: torch.optim.Optimizer) -> Any:
 
 
 @pytest.mark.parametrize("make,scheduler", [
-    (adam(lr=1e-2), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)),
-    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), warmup_then_cosine),
-    (adam(torch.optim.AdamW, lr=1e-2), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)),
-    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1000)),
+    (tanh_mlp(lr=1e-2), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), warmup_then_cosine),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1000)),
 ], ids=["adam-exponential", "adamw-warmup-cosine", "adamw-onecycle", "adamw-constant-decay-equals-beta2"])
 def test_adam_steps_under_a_learning_rate_schedule_are_replayed_bitwise(make, scheduler):
     """Adam's step size carries the learning rate (-lr / bias_correction1), and AdamW's decay
@@ -408,12 +409,12 @@ def test_adam_steps_under_a_learning_rate_schedule_are_replayed_bitwise(make, sc
 
 
 @pytest.mark.parametrize("make,scheduler", [
-    (adam(lr=1e-2, fused=True), None),
-    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True), warmup_then_cosine),
-    (adam(lr=1e-2, foreach=True), None),
-    (adam(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=True), None),
-    (adam(torch.optim.AdamW, lr=1e-2, amsgrad=True, foreach=True), warmup_then_cosine),
-    (adam(lr=3e-3, maximize=True, foreach=True), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)),
+    (tanh_mlp(lr=1e-2, fused=True), None),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True), warmup_then_cosine),
+    (tanh_mlp(lr=1e-2, foreach=True), None),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=True), None),
+    (tanh_mlp(torch.optim.AdamW, lr=1e-2, amsgrad=True, foreach=True), warmup_then_cosine),
+    (tanh_mlp(lr=3e-3, maximize=True, foreach=True), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)),
 ], ids=["fused", "adamw-fused-scheduled", "foreach", "adamw-foreach", "adamw-amsgrad-foreach-scheduled",
         "maximize-foreach-onecycle"])
 def test_foreach_and_fused_adam_steps_are_replayed_bitwise(make, scheduler):
@@ -458,7 +459,7 @@ def test_numbers_the_stand_in_gets_wrong_are_never_replayed(monkeypatch):
     a little, as another torch version's formula might be): the changing fed floats match no
     number that changes the same way, so no memo is confirmed and every step runs its body."""
     monkeypatch.setattr(_optimizer, "_float32", lambda x: x + 0.25)
-    r = check(adam(lr=1e-2), plain_step)
+    r = check(tanh_mlp(lr=1e-2), plain_step)
     assert r.runner["calls_replayed"] == 0, r.runner
     assert r.runner["calls_recorded"] >= STEPS - 10, r.runner
 
@@ -488,7 +489,7 @@ def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # (Adam's counters follow it: _get_scalar_dtype)
     try:
-        r = check(adam(lr=1e-2), step)
+        r = check(tanh_mlp(lr=1e-2), step)
     finally:
         torch.set_default_dtype(before)
     # (Bitwise above. In the full suite this program traced 8 iterations before co-executing, 4
@@ -496,7 +497,7 @@ def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
     assert r.runner["calls_replayed"] >= STEPS // 3, r.runner
 
 
-# ---- RMSprop and Adagrad ------------------------------------------------------------------------
+# ---- RMSprop, Adagrad and Adadelta -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("kw", [
@@ -509,7 +510,7 @@ def test_adam_under_a_float64_default_dtype_keeps_float64_step_counters_exact():
 def test_rmsprop_steps_under_a_schedule_are_replayed_bitwise(kw):
     """RMSprop's learning rate reaches one op per parameter (or per foreach group) as `-lr`; its
     step counters are written, never read."""
-    r = check(*scheduled(adam(torch.optim.RMSprop, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    r = check(*scheduled(tanh_mlp(torch.optim.RMSprop, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r)
     assert r.runner["calls_recorded"] <= 4, str((r.runner, r.iterations, r.reasons))
 
@@ -523,7 +524,7 @@ def test_adagrad_steps_are_replayed_bitwise(kw, scheduled_lr):
     """Adagrad's step size `lr / (1 + (step - 1) * lr_decay)` changes every step with the counter
     Python knows: a number the stand-in computes, as Adam's bias corrections. The counters end
     where eager's do."""
-    make, step = adam(torch.optim.Adagrad, **kw), plain_step
+    make, step = tanh_mlp(torch.optim.Adagrad, **kw), plain_step
     if scheduled_lr:
         make, step = scheduled(make, lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97))
     steps_replayed(check_counted(make, step), untraced=12)
@@ -534,13 +535,13 @@ def test_adagrad_steps_are_replayed_bitwise(kw, scheduled_lr):
                          ids=["foreach", "foreach-decay-maximize"])
 def test_foreach_adagrad_steps_are_replayed_bitwise(kw):
     """Its step sizes reach `_foreach_mul_` as a list, one element per parameter (fed floats)."""
-    r = check(*scheduled(adam(torch.optim.Adagrad, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    r = check(*scheduled(tanh_mlp(torch.optim.Adagrad, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r, untraced=12)
 
 
 def test_fused_adagrad_steps_under_a_schedule_are_replayed_bitwise():
     """`_fused_adagrad_` computes its step sizes from the counters itself; it receives `lr`."""
-    r = check(*scheduled(adam(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, fused=True),
+    r = check(*scheduled(tanh_mlp(torch.optim.Adagrad, lr=5e-2, lr_decay=1e-2, fused=True),
                          lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r)
 
@@ -549,5 +550,5 @@ def test_fused_adagrad_steps_under_a_schedule_are_replayed_bitwise():
                                 dict(lr=1.0, foreach=True)], ids=["plain", "rho-decay-maximize", "foreach"])
 def test_adadelta_steps_under_a_schedule_are_replayed_bitwise(kw):
     """Adadelta, like RMSprop: `-lr` per parameter (or per foreach group); counters never read."""
-    r = check(*scheduled(adam(torch.optim.Adadelta, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
+    r = check(*scheduled(tanh_mlp(torch.optim.Adadelta, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r)
