@@ -198,7 +198,9 @@ def _lr_passed_key(state_names: tuple[str, ...]) -> KeyOf:
                 if g is None:
                     tensors += (p, None) + (None,) * len(state_names)
                     continue
-                if g.is_sparse:
+                # (RMSprop and Adadelta step a complex parameter through real views of it, which
+                # the replay could not name: such calls stay per op, SGD's too)
+                if g.is_sparse or p.is_complex():
                     return args, kwargs, None
                 state = opt.state.get(p) or {}
                 tensors += (p, g) + tuple(state.get(name) for name in state_names)

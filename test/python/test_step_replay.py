@@ -552,3 +552,27 @@ def test_adadelta_steps_under_a_schedule_are_replayed_bitwise(kw):
     """Adadelta, like RMSprop: `-lr` per parameter (or per foreach group); counters never read."""
     r = check(*scheduled(tanh_mlp(torch.optim.Adadelta, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)))
     steps_replayed(r)
+
+
+class ComplexHead(nn.Module):
+    """An MLP whose last layer has a complex weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Parameter(torch.randn(3, 16, dtype=torch.cfloat) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.relu(self.inp(x)).to(torch.cfloat) @ self.head.t()).abs()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adadelta])
+def test_complex_parameters_keep_the_step_per_op_and_exact(cls):
+    """A complex parameter is stepped through `view_as_real` views (RMSprop, Adadelta): the
+    stand-in keys no call with one, and the step runs per op, bitwise as eager."""
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = ComplexHead()
+        return model, cls(model.parameters(), lr=1e-2)
+
+    r = check(make, plain_step)
+    assert r.runner["calls_replayed"] == 0, r.runner
