@@ -425,8 +425,13 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
     at::Tensor t;
     if (e.argument >= 0) {
       t = arguments.at(e.argument);
+    } else if (e.parameter < 0) {
+      // A constant: the memo's own tensor is fed again. Nothing writes it (made_constant), the
+      // graph only reads it, and a feed holds it while the graph may (a new one per replay was
+      // an allocation per wrapped number: 1.3% of the Python thread of an MLP + SGD loop, perf).
+      t = e.number;
     } else {
-      t = number_like(e.number, e.parameter >= 0 ? &numbers.at(e.parameter) : nullptr);
+      t = number_like(e.number, &numbers.at(e.parameter));  // (a new one: the graph may still read the last)
     }
     const capture::ValueRef got = region.value_of(t);
     TORCH_CHECK(got.external == e.external, "terra_torch internal error: a replayed call's external input ", e.external,
