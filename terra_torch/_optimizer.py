@@ -276,8 +276,9 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
     extend, states = tensors.extend, opt.state
-    # Per group: (path, lr, beta1, beta2, decoupled weight decay or 0.0, step counters with a gradient)
-    groups: list[tuple[str, float, float, float, float, list[torch.Tensor]]] = []
+    # Per group: (path, lr, beta1, beta2, decoupled weight decay or 0.0, step counters with a
+    # gradient, their dtypes)
+    groups: list[tuple[str, float, float, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
         # Capturable and differentiable steps compute their numbers as tensors.
         if group["capturable"] or group["differentiable"]:
@@ -289,6 +290,7 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
         decay = group["weight_decay"] if group.get("decoupled_weight_decay") else 0.0
         counters: list[torch.Tensor] = []
         dtypes = set()
+        counter_dtypes = set()
         # (once per parameter every step: no generator, no tuple built per parameter, is_cpu; as in
         # _lr_passed_key)
         for p in group["params"]:
@@ -306,41 +308,54 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
             if step.dtype not in _COUNTER_DTYPES:
                 return args, kwargs, None
             dtypes.add(p.dtype)
+            counter_dtypes.add(step.dtype)
             extend((p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), step))
             counters.append(step)
         if path == "foreach" and len(dtypes) > 1:
             return args, kwargs, None
-        groups.append((path, group["lr"], beta1, beta2, decay, counters))
+        groups.append((path, group["lr"], beta1, beta2, decay, counters, counter_dtypes))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for path, lr, beta1, beta2, decay, counters in groups:
+        for path, lr, beta1, beta2, decay, counters, counter_dtypes in groups:
             if not counters:
                 continue
             if path == "fused":
                 out += (lr, beta1)
                 continue
             known = session.known_numbers(counters)
-            if any(v is None for v in known):
+            if None in known:
                 return None
-            # As torch computes them (the counter is float32, or float64 under
-            # torch.set_default_dtype(torch.float64)).
-            steps = [_float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
-                     for counter, before in zip(counters, known)]
-            after += zip(counters, steps)
+
+            def correction(single: bool, before: float) -> tuple[float, float, float]:
+                # As torch computes them (the counter is float32, or float64 under
+                # torch.set_default_dtype(torch.float64)): the count after `step_t += 1`, and
+                # the numbers that follow from it.
+                step = _float32(before + 1.0) if single else before + 1.0
+                return step, (1 - beta2 ** step) ** 0.5, -(lr / (1 - beta1 ** step))
+
+            if len(counter_dtypes) == 1 and known.count(known[0]) == len(known):
+                # (the usual case, every parameter stepped every time: one count for the group)
+                steps = [correction(torch.float32 in counter_dtypes, known[0])] * len(counters)
+            else:
+                steps = [correction(counter.dtype == torch.float32, before) for counter, before in zip(counters, known)]
+            after += zip(counters, (c[0] for c in steps))
             if path == "single":
-                for step in steps:
-                    if decay != 0:  # AdamW: param.mul_(1 - lr * weight_decay)
-                        out.append(1 - lr * decay)
-                    out.append(1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
-                    out += ((1 - beta2 ** step) ** 0.5, -(lr / (1 - beta1 ** step)))
+                first = ((1 - lr * decay, 1 - beta1) if decay != 0  # AdamW: param.mul_(1 - lr * weight_decay)
+                         else (1 - beta1,))  # exp_avg.lerp_(grad, 1 - beta1)
+                if steps.count(steps[0]) == len(steps):
+                    out += (first + steps[0][1:]) * len(steps)
+                else:
+                    for _, root, size in steps:
+                        out += first
+                        out += (root, size)
             else:
                 if decay != 0:
                     out.append(1 - lr * decay)
                 out.append(1 - beta1)
-                out += ((1 - beta2 ** step) ** 0.5 for step in steps)
-                out += ((lr / (1 - beta1 ** step)) * -1 for step in steps)
+                out += (c[1] for c in steps)
+                out += (c[2] for c in steps)
         return out, after
 
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)

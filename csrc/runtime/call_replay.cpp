@@ -185,6 +185,33 @@ bool made_constant(const at::Tensor& t) {
          t._version() == 0 && !t.is_complex();
 }
 
+// The value of a one-element tensor (a private copy known values keep): read in place where it
+// is a CPU float or double, as step counters are, else through item(). Adam's step asks for one
+// per parameter every step, and item() is an op through the dispatcher.
+double scalar_value(const at::Tensor& v) {
+  if (v.device().is_cpu() && v.layout() == c10::kStrided && !v.is_conj() && !v.is_neg()) {
+    if (v.scalar_type() == at::kFloat) return *v.const_data_ptr<float>();
+    if (v.scalar_type() == at::kDouble) return *v.const_data_ptr<double>();
+  }
+  return v.item<double>();
+}
+
+// A 0-dim tensor holding `value` with `like`'s options: made without the dispatcher where `like` is
+// a CPU float or double (a replayed Adam step teaches each step counter's new value this way), else
+// with at::scalar_tensor.
+at::Tensor scalar_like(const at::Tensor& like, double value) {
+  if (like.device().is_cpu() && like.layout() == c10::kStrided &&
+      (like.scalar_type() == at::kFloat || like.scalar_type() == at::kDouble)) {
+    at::Tensor t = at::detail::empty_cpu({}, like.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    if (like.scalar_type() == at::kFloat)
+      *t.mutable_data_ptr<float>() = static_cast<float>(value);
+    else
+      *t.mutable_data_ptr<double>() = value;
+    return t;
+  }
+  return at::scalar_tensor(value, like.options());
+}
+
 int32_t argument_holding(const std::vector<at::Tensor>& arguments, const c10::TensorImpl* impl) {
   for (size_t j = 0; j < arguments.size(); ++j)
     if (arguments[j].defined() && arguments[j].unsafeGetTensorImpl() == impl) return static_cast<int32_t>(j);
@@ -210,7 +237,7 @@ std::vector<std::optional<double>> PythonRunner::known_numbers(const std::vector
   capture::SuspendGuard not_the_programs;  // (item() of a private copy is no op of the program)
   for (const at::Tensor& t : tensors) {
     std::optional<at::Tensor> v = t.defined() && known_values_enabled_ ? known_.known(t) : std::nullopt;
-    out.push_back(v && v->numel() == 1 ? std::optional<double>(v->item<double>()) : std::nullopt);
+    out.push_back(v && v->numel() == 1 ? std::optional<double>(scalar_value(*v)) : std::nullopt);
   }
   return out;
 }
@@ -473,7 +500,7 @@ at::Tensor PythonRunner::replay_call(capture::Region& region, const CallMemo& me
   path_ = memo.path_after;
   if (known_values_enabled_) {
     capture::SuspendGuard not_the_programs;
-    for (const auto& [t, v] : known_after) known_.teach(t, at::scalar_tensor(v, t.options()));
+    for (const auto& [t, v] : known_after) known_.teach(t, scalar_like(t, v));
   }
   flush();
   // A write into memory Python can read or write without an op (a parameter whose numpy array

@@ -378,6 +378,29 @@ def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
     steps_replayed(r, untraced=12)
 
 
+@pytest.mark.parametrize("make", [tanh_mlp(lr=1e-2), tanh_mlp(lr=1e-2, foreach=True)], ids=["single", "foreach"])
+def test_adam_with_step_counters_that_differ_between_parameters_replays_bitwise(make):
+    """A gradient dropped every other step (`p.grad = None` after backward) leaves that parameter's
+    step counter behind the others': the stand-in computes the bias corrections per count, not
+    once for the group (terra_torch/_optimizer.py, the uniform shortcut must not apply)."""
+    counts = []
+
+    def step(model, opt, i, log):
+        loss = loss_and_backward(model, opt, i)
+        if i % 2:
+            model[2].bias.grad = None
+        opt.step()
+        log.append(loss.detach())
+        if i == STEPS - 1:
+            counts.append([float(opt.state[p]["step"]) for p in model.parameters()])
+
+    # (the last iteration reads the counters: a new path; foreach's first co-executed step meets
+    # a list of step sizes the traced graph held as a constant: one more)
+    r = check(make, step, max_fallbacks=2)
+    assert counts[0] == counts[1] and counts[0][3] == STEPS // 2 < counts[0][0] == STEPS, counts
+    steps_replayed(r, untraced=16)
+
+
 def test_adam_with_a_learning_rate_changed_by_a_scheduler_stays_exact():
     r = check(*scheduled(tanh_mlp(lr=1e-2), lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.3)))
     assert r.runner["calls_replayed"] >= STEPS // 2, r.runner
