@@ -459,10 +459,16 @@ def _clip_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
                        for name, default in zip(_CLIP_ARGUMENTS[1:], (None, 2.0, False, None)))
     except TypeError:
         return args, kwargs, None
-    if any(not isinstance(p, torch.Tensor) for p in parameters) or \
-            any(p.grad is not None and p.grad.is_sparse for p in parameters):
-        return args, kwargs, None
-    return args, kwargs, _Key(_clip_keys, values, [p.grad for p in parameters])
+    grads: list[torch.Tensor | None] = []
+    append, strided, tensor = grads.append, torch.strided, torch.Tensor
+    for p in parameters:  # (one pass: a transformer passes a few hundred parameters every step)
+        if not isinstance(p, tensor):
+            return args, kwargs, None
+        g = p.grad
+        if g is not None and g.layout is not strided:
+            return args, kwargs, None
+        append(g)
+    return args, kwargs, _Key(_clip_keys, values, grads)
 
 
 # ---- the stand-ins -------------------------------------------------------------------------------
