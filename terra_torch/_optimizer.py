@@ -1,4 +1,4 @@
-"""optimizer.step() (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta) and clip_grad_norm_ in
+"""optimizer.step() (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax) and clip_grad_norm_ in
 co-execution without their Python (docs/RUNTIME.md, "optimizer.step() in co-execution";
 csrc/runtime/call_replay.h).
 
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from torch.optim import SGD, Adadelta, Adagrad, Adam, Optimizer, RMSprop
+from torch.optim import SGD, Adadelta, Adagrad, Adam, Adamax, Optimizer, RMSprop
 
 from terra_torch import runtime
 
@@ -252,6 +252,41 @@ def _float32(x: float) -> float:
 _COUNTER_DTYPES = (torch.float32, torch.float64)
 
 
+def _counted_parameters(group: dict[str, Any], states: Any, state_names: tuple[str, ...],
+                        extend: Callable[[Any], None]) -> tuple[list[torch.Tensor], set[torch.dtype], set[torch.dtype]] | None:
+    """The key's tensors of a param group of an optimizer with step counters (Adam, Adagrad,
+    Adamax), onto `extend`: per parameter the parameter, its gradient, its state `state_names`
+    (None where absent) and its step counter. Returns the counters of the parameters with a
+    gradient, their parameters' dtypes and the counters' dtypes; None where the replay cannot
+    name the step: no state yet (the first step makes it), a gradient not strided, a complex
+    parameter (stepped through real views), a parameter off the CPU (foreach may be the default
+    there), a counter neither float32 nor float64. Once per parameter every step: no generator, no
+    tuple built per parameter, `is_cpu` (as in _lr_passed_key)."""
+    counters: list[torch.Tensor] = []
+    dtypes: set[torch.dtype] = set()
+    counter_dtypes: set[torch.dtype] = set()
+    none = (None,) * (len(state_names) + 1)
+    for p in group["params"]:
+        g = p.grad
+        if g is None:
+            extend((p, None))
+            extend(none)
+            continue
+        state = states.get(p)
+        if not state or g.layout is not torch.strided or p.is_complex() or not p.is_cpu:
+            return None
+        step = state["step"]
+        if step.dtype not in _COUNTER_DTYPES:
+            return None
+        dtypes.add(p.dtype)
+        counter_dtypes.add(step.dtype)
+        extend((p, g))
+        extend(map(state.get, state_names))
+        extend((step,))
+        counters.append(step)
+    return counters, dtypes, counter_dtypes
+
+
 def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
     """What Adam's step (torch/optim/adam.py) reads: the hyperparameters by value, and per
     parameter the parameter, its gradient, its two moving averages, its amsgrad maximum and its
@@ -288,31 +323,12 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
         if type(group["lr"]) not in (float, int) or type(beta1) not in (float, int):
             return args, kwargs, None  # (a tensor learning rate or beta1: numbers it cannot pass)
         decay = group["weight_decay"] if group.get("decoupled_weight_decay") else 0.0
-        counters: list[torch.Tensor] = []
-        dtypes = set()
-        counter_dtypes = set()
-        # (once per parameter every step: no generator, no tuple built per parameter, is_cpu; as in
-        # _lr_passed_key)
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                extend((p, None, None, None, None, None))
-                continue
-            state = states.get(p)
-            # (the first step makes the state; a complex parameter is stepped through real views;
-            # a parameter off the CPU may make foreach the default; the foreach path groups
-            # parameters by dtype, one list each)
-            if not state or g.layout is not torch.strided or p.is_complex() or not p.is_cpu:
-                return args, kwargs, None
-            step = state["step"]
-            if step.dtype not in _COUNTER_DTYPES:
-                return args, kwargs, None
-            dtypes.add(p.dtype)
-            counter_dtypes.add(step.dtype)
-            extend((p, g, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), step))
-            counters.append(step)
-        if path == "foreach" and len(dtypes) > 1:
+        counted = _counted_parameters(group, states, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), extend)
+        if counted is None:
             return args, kwargs, None
+        counters, dtypes, counter_dtypes = counted
+        if path == "foreach" and len(dtypes) > 1:
+            return args, kwargs, None  # (the foreach path groups parameters by dtype, one list each)
         groups.append((path, group["lr"], beta1, beta2, decay, counters, counter_dtypes))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
@@ -386,23 +402,10 @@ def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
     # Per group: (fused, lr, lr_decay, step counters with a gradient, dtypes of those parameters)
     groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
-        counters: list[torch.Tensor] = []
-        dtypes = set()
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                extend((p, None, None, None))
-                continue
-            state = states.get(p)
-            # (Adagrad makes its state in __init__; a parameter off the CPU may make foreach the default)
-            if not state or g.layout is not torch.strided or p.is_complex() or not p.is_cpu:
-                return args, kwargs, None
-            step = state["step"]
-            if step.dtype not in _COUNTER_DTYPES:
-                return args, kwargs, None
-            extend((p, g, state["sum"], step))
-            counters.append(step)
-            dtypes.add(p.dtype)
+        counted = _counted_parameters(group, states, ("sum",), extend)  # (Adagrad makes its state in __init__)
+        if counted is None:
+            return args, kwargs, None
+        counters, dtypes, _ = counted
         if group.get("foreach") and not group.get("fused") and len(dtypes) > 1:
             return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
         groups.append((bool(group.get("fused")), group["lr"], group["lr_decay"], counters, dtypes))
@@ -421,6 +424,68 @@ def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
                 step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
                 after.append((counter, step))
                 out.append(-lr / (1 + (step - 1) * lr_decay))  # (-(lr / x) in the single-tensor body: the same bits)
+        return out, after
+
+    return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
+
+
+# ---- Adamax.step ---------------------------------------------------------------------------------
+
+
+def _adamax_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], _Key | None]:
+    """What Adamax's step (torch/optim/adamax.py) reads: the hyperparameters by value (beta2
+    among them), and per parameter the parameter, its gradient, its two averages and its step
+    counter. Its numbers, per group in the order the ops receive them: `1 - beta1`
+    (`exp_avg.lerp_`; OneCycleLR cycles beta1) and `-clr`, `clr = lr / (1 - beta1 ** step)` from
+    the counter after `step_t += 1`, which Python knows (as Adam's bias corrections): per parameter
+    on the single-tensor path (the CPU default; `param.addcdiv_(..., value=-clr)`), on the
+    foreach path (one device and dtype per group) `1 - beta1` once and `-clr` as the list
+    `_foreach_addcdiv_` receives."""
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
+        return args, kwargs, None
+    try:
+        values = _hyperparameters(opt, ("lr", "betas"))
+        values += (("beta2", _plain(group["betas"][1])) for group in opt.param_groups)
+    except TypeError:
+        return args, kwargs, None
+    tensors: list[torch.Tensor | None] = []
+    extend, states = tensors.extend, opt.state
+    # Per group: (foreach, lr, beta1, step counters with a gradient)
+    groups: list[tuple[bool, float, float, list[torch.Tensor]]] = []
+    for group in opt.param_groups:
+        beta1 = group["betas"][0]
+        if group["capturable"] or group["differentiable"] or type(group["lr"]) not in (float, int) or \
+                type(beta1) not in (float, int):
+            return args, kwargs, None  # (numbers as tensors, or a tensor lr or beta1: numbers it cannot pass)
+        counted = _counted_parameters(group, states, ("exp_avg", "exp_inf"), extend)
+        if counted is None:
+            return args, kwargs, None
+        counters, dtypes, _ = counted
+        foreach = bool(group["foreach"])
+        if foreach and len(dtypes) > 1:
+            return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
+        groups.append((foreach, group["lr"], beta1, counters))
+
+    def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
+        out: list[float] = []
+        after: list[tuple[torch.Tensor, float]] = []
+        for foreach, lr, beta1, counters in groups:
+            if not counters:
+                continue
+            known = session.known_numbers(counters)
+            if None in known:
+                return None
+            steps = [_float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
+                     for counter, before in zip(counters, known)]
+            after += zip(counters, steps)
+            clrs = [-(lr / (1 - beta1 ** step)) for step in steps]  # (-1 * (lr / x) on foreach: the same bits)
+            if foreach:
+                out.append(1 - beta1)
+                out += clrs
+            else:
+                for clr in clrs:
+                    out += (1 - beta1, clr)
         return out, after
 
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
@@ -529,7 +594,7 @@ def install() -> None:
     torch.nn.utils and its clip_grad module name it (a program that imported the name before
     terra_torch keeps torch's own)."""
     for cls, key_of in ((SGD, _sgd_key), (Adam, _adam_key), (RMSprop, _rmsprop_key), (Adagrad, _adagrad_key),
-                        (Adadelta, _adadelta_key)):
+                        (Adadelta, _adadelta_key), (Adamax, _adamax_key)):
         current = cls.__dict__["step"]
         if getattr(current, "hooked", False):
             inner = current.__wrapped__

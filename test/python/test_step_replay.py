@@ -577,6 +577,25 @@ def test_adadelta_steps_under_a_schedule_are_replayed_bitwise(kw):
     steps_replayed(r)
 
 
+@pytest.mark.parametrize("kw", [dict(lr=2e-2), dict(lr=2e-2, betas=(0.8, 0.99), weight_decay=1e-3, maximize=True),
+                                dict(lr=2e-2, foreach=True), dict(lr=2e-2, weight_decay=1e-3, foreach=True)],
+                         ids=["plain", "betas-decay-maximize", "foreach", "foreach-decay"])
+def test_adamax_steps_are_replayed_bitwise_with_the_step_counters_known(kw):
+    """Adamax's step size `lr / (1 - beta1 ** step)` changes every step with the counter Python
+    knows, as Adam's bias corrections; a scheduled learning rate too. The counters end where
+    eager's do."""
+    make, step = scheduled(tanh_mlp(torch.optim.Adamax, **kw), lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97))
+    steps_replayed(check_counted(make, step), untraced=12)
+
+
+def test_adamax_under_one_cycle_keeps_beta1_a_number_and_replays_bitwise():
+    """OneCycleLR cycles beta1 with the learning rate: `1 - beta1` reaches `exp_avg.lerp_` as a
+    number of the replay, not a new key every step."""
+    r = check(*scheduled(tanh_mlp(torch.optim.Adamax, lr=2e-2),
+                         lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)))
+    steps_replayed(r, untraced=12)
+
+
 class ComplexHead(nn.Module):
     """An MLP whose last layer has a complex weight."""
 
