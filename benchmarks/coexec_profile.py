@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-OPTIMIZERS = ("sgd", "sgd-foreach", "adam", "adam-fused", "adam-foreach", "rmsprop", "adagrad", "adadelta")
+OPTIMIZERS = ("sgd", "sgd-foreach", "adam", "adam-fused", "adam-foreach", "rmsprop", "adagrad", "adadelta", "adamax")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
            "adam-foreach": lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
            "rmsprop": lambda: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9),
            "adagrad": lambda: torch.optim.Adagrad(params, lr=1e-2, lr_decay=1e-4),
-           "adadelta": lambda: torch.optim.Adadelta(params, lr=1.0)}[args.optimizer]()
+           "adadelta": lambda: torch.optim.Adadelta(params, lr=1.0),
+           "adamax": lambda: torch.optim.Adamax(params, lr=2e-3)}[args.optimizer]()
     schedule = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9999) if args.schedule else None
     if not args.eager:
         model = terra_torch.wrap(model)
