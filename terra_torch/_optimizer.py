@@ -252,6 +252,21 @@ def _float32(x: float) -> float:
 _COUNTER_DTYPES = (torch.float32, torch.float64)
 
 
+def _keyed_with_betas(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Optimizer, list[Any]] | None:
+    """For Adam and Adamax: the optimizer of a step() call a key can stand for, and its
+    hyperparameters by value but the learning rate and beta1, which reach the ops only through the
+    key's numbers (OneCycleLR cycles beta1); beta2 is keyed by value. None where there is no key."""
+    opt = _keyed_step(args, kwargs)
+    if opt is None:
+        return None
+    try:
+        values = _hyperparameters(opt, ("lr", "betas"))
+        values += (("beta2", _plain(group["betas"][1])) for group in opt.param_groups)
+    except TypeError:
+        return None
+    return opt, values
+
+
 def _counted_parameters(group: dict[str, Any], states: Any, state_names: tuple[str, ...],
                         extend: Callable[[Any], None]) -> tuple[list[torch.Tensor], set[torch.dtype], set[torch.dtype]] | None:
     """The key's tensors of a param group of an optimizer with step counters (Adam, Adagrad,
@@ -299,16 +314,10 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     - foreach (`_multi_tensor_adam`, one device and dtype): the same, but the first two once for
       the group and the last two as lists (`_foreach_div_`'s and `_foreach_addcdiv_`'s scalars);
     - fused (`_fused_adam`): `lr` and `beta1`, which `_fused_adam_` receives as they are."""
-    opt = _keyed_step(args, kwargs)
-    if opt is None:
+    keyed = _keyed_with_betas(args, kwargs)
+    if keyed is None:
         return args, kwargs, None
-    # The learning rate and beta1 (OneCycleLR cycles it) reach the ops only through the numbers;
-    # beta2 is keyed by value.
-    try:
-        values = _hyperparameters(opt, ("lr", "betas"))
-        values += (("beta2", _plain(group["betas"][1])) for group in opt.param_groups)
-    except TypeError:
-        return args, kwargs, None
+    opt, values = keyed
     tensors: list[torch.Tensor | None] = []
     extend, states = tensors.extend, opt.state
     # Per group: (path, lr, beta1, beta2, decoupled weight decay or 0.0, step counters with a
@@ -441,14 +450,10 @@ def _adamax_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[An
     on the single-tensor path (the CPU default; `param.addcdiv_(..., value=-clr)`), on the
     foreach path (one device and dtype per group) `1 - beta1` once and `-clr` as the list
     `_foreach_addcdiv_` receives."""
-    opt = _keyed_step(args, kwargs)
-    if opt is None:
+    keyed = _keyed_with_betas(args, kwargs)
+    if keyed is None:
         return args, kwargs, None
-    try:
-        values = _hyperparameters(opt, ("lr", "betas"))
-        values += (("beta2", _plain(group["betas"][1])) for group in opt.param_groups)
-    except TypeError:
-        return args, kwargs, None
+    opt, values = keyed
     tensors: list[torch.Tensor | None] = []
     extend, states = tensors.extend, opt.state
     # Per group: (foreach, lr, beta1, step counters with a gradient)
