@@ -252,6 +252,26 @@ def _float32(x: float) -> float:
 _COUNTER_DTYPES = (torch.float32, torch.float64)
 
 
+def _counts_after(session: Any, counters: list[torch.Tensor], counter_dtypes: set[torch.dtype],
+                  after: list[tuple[torch.Tensor, float]]) -> list[float] | None:
+    """The counts `counters` hold after the step's `step_t += 1`, from the values Python knows
+    (runtime/known_values.h; None where it knows one not), as torch computes them (a float32
+    counter rounds; float64 under torch.set_default_dtype(torch.float64)); each (counter, count)
+    also goes to `after`, what the replay teaches. One computation where the group's counters hold
+    one count (every parameter stepped every time)."""
+    known = session.known_numbers(counters)
+    if None in known:
+        return None
+    if len(counter_dtypes) == 1 and known.count(known[0]) == len(known):
+        count = known[0] + 1.0
+        counts = [_float32(count) if torch.float32 in counter_dtypes else count] * len(known)
+    else:
+        counts = [_float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
+                  for counter, before in zip(counters, known)]
+    after += zip(counters, counts)
+    return counts
+
+
 def _keyed_with_betas(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Optimizer, list[Any]] | None:
     """For Adam and Adamax: the optimizer of a step() call a key can stand for, and its
     hyperparameters by value but the learning rate and beta1, which reach the ops only through the
@@ -349,38 +369,30 @@ def _adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
             if path == "fused":
                 out += (lr, beta1)
                 continue
-            known = session.known_numbers(counters)
-            if None in known:
+            counts = _counts_after(session, counters, counter_dtypes, after)
+            if counts is None:
                 return None
-
-            def correction(single: bool, before: float) -> tuple[float, float, float]:
-                # As torch computes them (the counter is float32, or float64 under
-                # torch.set_default_dtype(torch.float64)): the count after `step_t += 1`, and
-                # the numbers that follow from it.
-                step = _float32(before + 1.0) if single else before + 1.0
-                return step, (1 - beta2 ** step) ** 0.5, -(lr / (1 - beta1 ** step))
-
-            if len(counter_dtypes) == 1 and known.count(known[0]) == len(known):
-                # (the usual case, every parameter stepped every time: one count for the group)
-                steps = [correction(torch.float32 in counter_dtypes, known[0])] * len(counters)
-            else:
-                steps = [correction(counter.dtype == torch.float32, before) for counter, before in zip(counters, known)]
-            after += zip(counters, (c[0] for c in steps))
+            # Per count: (bias_correction2 ** 0.5, -lr / bias_correction1); one where all are one.
+            uniform = counts.count(counts[0]) == len(counts)
+            corrections = [((1 - beta2 ** step) ** 0.5, -(lr / (1 - beta1 ** step)))
+                           for step in (counts[:1] if uniform else counts)]
+            if uniform:
+                corrections *= len(counts)
             if path == "single":
                 first = ((1 - lr * decay, 1 - beta1) if decay != 0  # AdamW: param.mul_(1 - lr * weight_decay)
                          else (1 - beta1,))  # exp_avg.lerp_(grad, 1 - beta1)
-                if steps.count(steps[0]) == len(steps):
-                    out += (first + steps[0][1:]) * len(steps)
+                if uniform:
+                    out += (first + corrections[0]) * len(counts)
                 else:
-                    for _, root, size in steps:
+                    for correction in corrections:
                         out += first
-                        out += (root, size)
+                        out += correction
             else:
                 if decay != 0:
                     out.append(1 - lr * decay)
                 out.append(1 - beta1)
-                out += (c[1] for c in steps)
-                out += (c[2] for c in steps)
+                out += (c[0] for c in corrections)
+                out += (c[1] for c in corrections)
         return out, after
 
     return args, kwargs, _Key(_key_state(opt), tuple(values), tensors, numbers)
@@ -408,30 +420,29 @@ def _adagrad_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
         return args, kwargs, None
     tensors: list[torch.Tensor | None] = []
     extend, states = tensors.extend, opt.state
-    # Per group: (fused, lr, lr_decay, step counters with a gradient, dtypes of those parameters)
-    groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype]]] = []
+    # Per group: (fused, lr, lr_decay, step counters with a gradient, dtypes of those parameters,
+    # of the counters)
+    groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype], set[torch.dtype]]] = []
     for group in opt.param_groups:
         counted = _counted_parameters(group, states, ("sum",), extend)  # (Adagrad makes its state in __init__)
         if counted is None:
             return args, kwargs, None
-        counters, dtypes, _ = counted
+        counters, dtypes, counter_dtypes = counted
         if group.get("foreach") and not group.get("fused") and len(dtypes) > 1:
             return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
-        groups.append((bool(group.get("fused")), group["lr"], group["lr_decay"], counters, dtypes))
+        groups.append((bool(group.get("fused")), group["lr"], group["lr_decay"], counters, dtypes, counter_dtypes))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for fused, lr, lr_decay, counters, dtypes in groups:
+        for fused, lr, lr_decay, counters, dtypes, counter_dtypes in groups:
             if fused:
                 out += [lr] * len(dtypes)
                 continue
-            known = session.known_numbers(counters)
-            if any(v is None for v in known):
+            counts = _counts_after(session, counters, counter_dtypes, after)
+            if counts is None:
                 return None
-            for counter, before in zip(counters, known):
-                step = _float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
-                after.append((counter, step))
+            for step in counts:
                 out.append(-lr / (1 + (step - 1) * lr_decay))  # (-(lr / x) in the single-tensor body: the same bits)
         return out, after
 
@@ -456,8 +467,8 @@ def _adamax_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[An
     opt, values = keyed
     tensors: list[torch.Tensor | None] = []
     extend, states = tensors.extend, opt.state
-    # Per group: (foreach, lr, beta1, step counters with a gradient)
-    groups: list[tuple[bool, float, float, list[torch.Tensor]]] = []
+    # Per group: (foreach, lr, beta1, step counters with a gradient, their dtypes)
+    groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
         beta1 = group["betas"][0]
         if group["capturable"] or group["differentiable"] or type(group["lr"]) not in (float, int) or \
@@ -466,25 +477,22 @@ def _adamax_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[An
         counted = _counted_parameters(group, states, ("exp_avg", "exp_inf"), extend)
         if counted is None:
             return args, kwargs, None
-        counters, dtypes, _ = counted
+        counters, dtypes, counter_dtypes = counted
         foreach = bool(group["foreach"])
         if foreach and len(dtypes) > 1:
             return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
-        groups.append((foreach, group["lr"], beta1, counters))
+        groups.append((foreach, group["lr"], beta1, counters, counter_dtypes))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
         after: list[tuple[torch.Tensor, float]] = []
-        for foreach, lr, beta1, counters in groups:
+        for foreach, lr, beta1, counters, counter_dtypes in groups:
             if not counters:
                 continue
-            known = session.known_numbers(counters)
-            if None in known:
+            counts = _counts_after(session, counters, counter_dtypes, after)
+            if counts is None:
                 return None
-            steps = [_float32(before + 1.0) if counter.dtype == torch.float32 else before + 1.0
-                     for counter, before in zip(counters, known)]
-            after += zip(counters, steps)
-            clrs = [-(lr / (1 - beta1 ** step)) for step in steps]  # (-1 * (lr / x) on foreach: the same bits)
+            clrs = [-(lr / (1 - beta1 ** step)) for step in counts]  # (-1 * (lr / x) on foreach: the same bits)
             if foreach:
                 out.append(1 - beta1)
                 out += clrs

@@ -19,6 +19,7 @@
 #include "runtime/python_runner.h"
 #include "capture/op_arguments.h"
 #include "runtime/runner_helpers.h"
+#include "runtime/scalar_arithmetic.h"
 #include "trace/hash.h"
 
 namespace terra::runtime {
@@ -161,12 +162,17 @@ bool confirm_numbers(CallMemo& first, const CallMemo& second, const std::vector<
   return true;
 }
 
+// A 0-dim CPU tensor of `dtype`, made without the dispatcher (number_like, scalar_like).
+at::Tensor empty_cpu_scalar(c10::ScalarType dtype) {
+  return at::detail::empty_cpu({}, dtype, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+}
+
 // A Python number as the arg parser wraps it, or a constant the call made (CallExternal::number),
 // of `recorded`'s dtype and kind: `value`, or `recorded`'s own. Made without the dispatcher (a
 // clone through it, autograd included, was half of a replayed Adam step: each parameter's step
 // reads three such numbers).
 at::Tensor number_like(const at::Tensor& recorded, const double* value) {
-  at::Tensor t = at::detail::empty_cpu({}, recorded.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  at::Tensor t = empty_cpu_scalar(recorded.scalar_type());
   if (value != nullptr)  // (only wrapped Python floats are the caller's numbers: confirm_numbers)
     *t.data_ptr<double>() = *value;
   else
@@ -185,24 +191,13 @@ bool made_constant(const at::Tensor& t) {
          t._version() == 0 && !t.is_complex();
 }
 
-// The value of a one-element tensor (a private copy known values keep): read in place where it
-// is a CPU float or double, as step counters are, else through item(). Adam's step asks for one
-// per parameter every step, and item() is an op through the dispatcher.
-double scalar_value(const at::Tensor& v) {
-  if (v.device().is_cpu() && v.layout() == c10::kStrided && !v.is_conj() && !v.is_neg()) {
-    if (v.scalar_type() == at::kFloat) return *v.const_data_ptr<float>();
-    if (v.scalar_type() == at::kDouble) return *v.const_data_ptr<double>();
-  }
-  return v.item<double>();
-}
-
 // A 0-dim tensor holding `value` with `like`'s options: made without the dispatcher where `like` is
 // a CPU float or double (a replayed Adam step teaches each step counter's new value this way), else
 // with at::scalar_tensor.
 at::Tensor scalar_like(const at::Tensor& like, double value) {
   if (like.device().is_cpu() && like.layout() == c10::kStrided &&
       (like.scalar_type() == at::kFloat || like.scalar_type() == at::kDouble)) {
-    at::Tensor t = at::detail::empty_cpu({}, like.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    at::Tensor t = empty_cpu_scalar(like.scalar_type());
     if (like.scalar_type() == at::kFloat)
       *t.mutable_data_ptr<float>() = static_cast<float>(value);
     else
@@ -237,7 +232,13 @@ std::vector<std::optional<double>> PythonRunner::known_numbers(const std::vector
   capture::SuspendGuard not_the_programs;  // (item() of a private copy is no op of the program)
   for (const at::Tensor& t : tensors) {
     std::optional<at::Tensor> v = t.defined() && known_values_enabled_ ? known_.known(t) : std::nullopt;
-    out.push_back(v && v->numel() == 1 ? std::optional<double>(scalar_value(*v)) : std::nullopt);
+    if (!v || v->numel() != 1) {
+      out.emplace_back();
+      continue;
+    }
+    // (read in place: Adam asks for one per parameter every step, and item() is an op)
+    const std::optional<c10::Scalar> s = one_element_value(*v);
+    out.emplace_back(s ? s->toDouble() : v->item<double>());
   }
   return out;
 }

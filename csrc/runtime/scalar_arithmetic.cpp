@@ -177,4 +177,8 @@ bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& sta
   return true;
 }
 
+std::optional<c10::Scalar> one_element_value(const at::Tensor& t) {
+  return one_element_cpu(t) ? value_at(t) : std::nullopt;
+}
+
 }  // namespace terra::runtime

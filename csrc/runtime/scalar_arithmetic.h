@@ -33,10 +33,16 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <optional>
+
 namespace terra::runtime {
 
 // Runs op on `stack` (arguments in, the returned self out) when it is one of the ops above on
 // operands it takes; false, the stack untouched, where it is not.
 bool run_scalar_arithmetic(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+
+// A one-element CPU tensor's value (double, float or int64), read from its memory without the
+// dispatcher; nullopt for anything else (item() would answer it through the dispatcher).
+std::optional<c10::Scalar> one_element_value(const at::Tensor& t);
 
 }  // namespace terra::runtime
