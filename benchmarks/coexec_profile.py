@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-OPTIMIZERS = ("sgd", "sgd-foreach", "adam", "adam-fused", "adam-foreach", "rmsprop", "adagrad", "adadelta", "adamax")
+OPTIMIZERS = ("sgd", "sgd-foreach", "adam", "adam-fused", "adam-foreach", "adamw", "rmsprop", "adagrad", "adadelta",
+              "adamax", "nadam", "nadam-foreach", "radam", "radam-foreach", "asgd", "rprop")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +61,14 @@ def main(argv: list[str] | None = None) -> None:
            "rmsprop": lambda: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9),
            "adagrad": lambda: torch.optim.Adagrad(params, lr=1e-2, lr_decay=1e-4),
            "adadelta": lambda: torch.optim.Adadelta(params, lr=1.0),
-           "adamax": lambda: torch.optim.Adamax(params, lr=2e-3)}[args.optimizer]()
+           "adamax": lambda: torch.optim.Adamax(params, lr=2e-3),
+           "adamw": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+           "nadam": lambda: torch.optim.NAdam(params, lr=2e-3),
+           "nadam-foreach": lambda: torch.optim.NAdam(params, lr=2e-3, foreach=True),
+           "radam": lambda: torch.optim.RAdam(params, lr=1e-3),
+           "radam-foreach": lambda: torch.optim.RAdam(params, lr=1e-3, foreach=True),
+           "asgd": lambda: torch.optim.ASGD(params, lr=1e-2),
+           "rprop": lambda: torch.optim.Rprop(params, lr=1e-2)}[args.optimizer]()
     schedule = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9999) if args.schedule else None
     if not args.eager:
         model = terra_torch.wrap(model)

@@ -481,7 +481,7 @@ def test_numbers_the_stand_in_gets_wrong_are_never_replayed(monkeypatch):
     """A stand-in whose numbers differ from what the ops receive (here each step count is off by
     a little, as another torch version's formula might be): the changing fed floats match no
     number that changes the same way, so no memo is confirmed and every step runs its body."""
-    monkeypatch.setattr(_optimizer, "_float32", lambda x: x + 0.25)
+    monkeypatch.setattr(_optimizer.keys, "float32", lambda x: x + 0.25)
     r = check(tanh_mlp(lr=1e-2), plain_step)
     assert r.runner["calls_replayed"] == 0, r.runner
     assert r.runner["calls_recorded"] >= STEPS - 10, r.runner
@@ -594,6 +594,97 @@ def test_adamax_under_one_cycle_keeps_beta1_a_number_and_replays_bitwise():
     r = check(*scheduled(tanh_mlp(torch.optim.Adamax, lr=2e-2),
                          lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)))
     steps_replayed(r, untraced=12)
+
+
+# ---- NAdam, RAdam and Rprop ----------------------------------------------------------------------
+
+
+def check_state(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], step: Callable[..., None],
+                names: tuple[str, ...], max_fallbacks: int = 1):
+    """`check`, with the optimizer's state tensors `names` of every parameter read after the last
+    step: bitwise where eager's are (a replay teaches Python the new values of the small ones it
+    writes, the step counters and NAdam's momentum products, without running the body)."""
+    states: list[list[torch.Tensor]] = []
+
+    def stepped(model, opt, i, log):
+        step(model, opt, i, log)
+        if i == STEPS - 1:
+            states.append([opt.state[p][name].clone() for p in model.parameters() for name in names])
+
+    r = check(make, stepped, max_fallbacks=max_fallbacks)  # (the last iteration reads the state: a new path)
+    assert len(states[0]) == len(states[1]) > 0
+    for a, b in zip(*states):
+        assert torch.equal(a, b), (a, b)
+    return r
+
+
+def exponential(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=2e-2),
+    # (mu near beta1 = 0.99 soon: the products stay large enough that an ulp of theirs shows in
+    # the step sizes, `1 - mu_product`; with the defaults they fall below 1e-14 in 40 steps)
+    dict(lr=2e-2, betas=(0.99, 0.999), momentum_decay=5.0),
+    dict(lr=2e-2, betas=(0.8, 0.99), weight_decay=1e-2, momentum_decay=8e-3, maximize=True),
+    dict(lr=2e-2, weight_decay=1e-2, decoupled_weight_decay=True),
+    dict(lr=2e-2, foreach=True),
+    dict(lr=2e-2, betas=(0.99, 0.999), momentum_decay=5.0, weight_decay=1e-2, decoupled_weight_decay=True,
+         foreach=True),
+], ids=["plain", "slow-products", "betas-decay-maximize", "decoupled", "foreach", "foreach-slow-decoupled"])
+def test_nadam_steps_are_replayed_bitwise_with_the_momentum_products_known(kw):
+    """NAdam's step sizes follow from the step count and from `mu_product`, a float32 tensor it
+    multiplies by `mu` every step and reads back: the stand-in computes both as torch does, the
+    replay feeds the numbers and teaches the new values. Counters and products end where eager's
+    do."""
+    make, step = scheduled(tanh_mlp(torch.optim.NAdam, **kw), exponential)
+    r = check_state(make, step, ("step", "mu_product"))
+    steps_replayed(r, untraced=12)
+
+
+def test_nadam_under_one_cycle_keeps_beta1_a_number_and_replays_bitwise():
+    r = check(*scheduled(tanh_mlp(torch.optim.NAdam, lr=2e-2),
+                         lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)))
+    steps_replayed(r, untraced=12)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=1e-2),
+    dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2, maximize=True),
+    dict(lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True),
+    dict(lr=1e-2, foreach=True),
+    dict(lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True, foreach=True),
+], ids=["plain", "betas-decay-maximize", "decoupled", "foreach", "foreach-decoupled"])
+def test_radam_steps_are_replayed_bitwise_across_the_switch_to_rectified_updates(kw):
+    """RAdam's single-tensor step runs other ops once `rho_t > 5` (after five or six steps, while
+    this program co-executes): that flag is part of the key, so the plain update's memo is never
+    replayed for a rectified step. The foreach step runs the same ops every step."""
+    make, step = scheduled(tanh_mlp(torch.optim.RAdam, **kw), exponential)
+    # (the switch is a path the traced iterations did not take: one fallback, as per op)
+    r = check_state(make, step, ("step",), max_fallbacks=2)
+    steps_replayed(r, untraced=14)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=1e-2),
+    dict(lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-5, 0.5), maximize=True),
+    dict(lr=1e-2, foreach=True),
+], ids=["plain", "etas-sizes-maximize", "foreach"])
+def test_rprop_steps_are_replayed_bitwise(kw):
+    """Rprop issues the same ops every step (signs, masked writes, a clamp); its learning rate
+    reaches no op (it only sets the first step sizes), so a scheduler does not change the key."""
+    make, step = scheduled(tanh_mlp(torch.optim.Rprop, **kw), exponential)
+    r = check_state(make, step, ("step", "step_size", "prev"))
+    steps_replayed(r)
+    assert r.runner["calls_recorded"] <= 3, r.runner
+
+
+def test_asgd_steps_stay_per_op_and_exact():
+    """ASGD reads tensors it refills from Python every step (`eta`, `mu`): no stand-in; its step runs
+    per op, bitwise as eager."""
+    r = check(tanh_mlp(torch.optim.ASGD, lr=1e-2), plain_step)
+    assert r.runner["calls_replayed"] == 0, r.runner
 
 
 class ComplexHead(nn.Module):
