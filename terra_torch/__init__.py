@@ -18,7 +18,7 @@ from terra_torch import _C  # noqa: E402  (needs the gate first)
 _C.check_torch_abi(torch.__version__)
 _C.install_interceptor()
 
-from terra_torch import _backward, _legacy_constructors, _log, _materialize, _optimizer, _rng, debug, profile  # noqa: E402
+from terra_torch import _backward, _data_loading, _legacy_constructors, _log, _materialize, _optimizer, _rng, debug, profile  # noqa: E402
 from terra_torch.api import explain, function, stats, synchronize, timeline, unwrap, wrap  # noqa: E402
 
 _log.configure()  # TERRA_LOG=debug|info|warning
@@ -27,8 +27,9 @@ profile.enable_from_env()  # TERRA_PROFILE_RECORD=path: warns (never raises) whe
 _materialize.install()  # numpy()/tolist() of a placeholder wait for its value
 _legacy_constructors.install()  # Tensor.new / new_tensor on a placeholder
 _backward.install()  # backward() in co-execution: replayed without the engine where it can be
-_optimizer.install()  # SGD's step() in co-execution: replayed without its Python where it can be
+_optimizer.install()  # optimizers' step() in co-execution: replayed without their Python where they can be
 _rng.install()  # torch.manual_seed / get_rng_state / set_rng_state wait for the graph's draws
+_data_loading.install()  # a DataLoader's batches are assembled outside the program, eagerly
 
 __version__ = "0.1.0"
 

@@ -54,7 +54,9 @@ def _reading(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                 if exports:
                     _C.runtime.note_exported_memory(_array_holder(self, out))
                 return out
-        if program._region_phase == "coexec":
+        if program._region_phase == "coexec" and not (
+                _C.outside_program_active() and program._region is not None and program._region.outside_tensor(self)):
+            # (a DataLoader's sample, outside the program: memory the graph never writes)
             program.materialize(self)
         with _C.suspended():
             out = original(self, *args, **kwargs)

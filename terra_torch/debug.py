@@ -24,7 +24,7 @@ import torch
 from terra_torch import _C
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-# terra_torch's own Python (the stand-ins of _optimizer.py, the engine of _backward.py) is not the
+# terra_torch's own Python (the stand-ins of _optimizer/, the engine of _backward.py) is not the
 # user's line either.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 

@@ -16,6 +16,7 @@ PROGRAMS: tuple[str, ...] = (
     "gpt",
     "hf_gpt2",
     "dcgan",
+    "loader",
     "materialize",
     "generator",
     "try_except",

@@ -17,7 +17,9 @@
 #include "capture/grad_mode_kernels.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
+#include "capture/outside_program.h"
 #include "capture/placeholder.h"
+#include "capture/schema_aliases.h"
 #include "capture/shape_inference.h"
 #include "capture/terra_key.h"
 #include "capture/value_checks.h"
@@ -302,6 +304,60 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
   rec.attributes_hash = h;
 }
 
+// ---- ops outside the program ---------------------------------------------------------------------
+
+bool Region::outside_input(const at::Tensor& t) const {
+  if (is_placeholder(t) || find_produced(t)) return false;
+  return !t.has_storage() || !program_wrote(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+}
+
+bool Region::outside_tensor(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return t.defined() && outside_input(t);
+}
+
+bool Region::runs_outside(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) const {
+  // Random numbers the graph also draws (the default generator, or an explicit one the graph has
+  // drawn from) keep program order only on the graph's side (explicit_generators.h).
+  if (op.hasTag(at::Tag::nondeterministic_seeded) && !python_draws(args)) return false;
+  if (is_collective(op)) return false;
+  const c10::FunctionSchema& schema = op.schema();
+  auto fits = [&](const at::Tensor& t, size_t a) {
+    if (!t.defined()) return true;
+    if (!outside_input(t)) return false;
+    // A write only into what the block made: anything else may be read by the graph later.
+    return !writes_argument(schema, a) ||
+           (t.has_storage() && made_outside(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()));
+  };
+  for (size_t a = 0; a < args.size(); ++a) {
+    const c10::IValue& v = args[a];
+    if (v.isTensor()) {
+      if (!fits(v.toTensor(), a)) return false;
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& e : v.toTensorList().vec())
+        if (!fits(e, a)) return false;
+    } else if (v.isOptionalTensorList()) {
+      for (const c10::IValue& e : v.toListRef())
+        if (e.isTensor() && !fits(e.toTensor(), a)) return false;
+    } else if (v.isStorage()) {
+      // Unpickling a batch a worker process sent: `set_` of shared memory into a tensor the
+      // block made (Region::adopt_outside_memory's case, but for a real tensor no op has read).
+      const c10::StorageImpl* storage = v.toStorage().unsafeGetStorageImpl();
+      if (produced_storage_.find(storage) != nullptr || program_wrote(storage)) return false;
+    }
+  }
+  return true;
+}
+
+void Region::note_program_writes(const OpRecord& rec) {
+  const c10::FunctionSchema& schema = rec.op.schema();
+  for (const OpInput& in : rec.inputs) {
+    if (!in.value.is_external() || !writes_argument(schema, static_cast<size_t>(in.argument))) continue;
+    const at::Tensor& t = externals_alive_.at(static_cast<size_t>(in.value.external));
+    if (t.has_storage()) note_program_write(t.unsafeGetTensorImpl()->unsafe_storage());
+  }
+}
+
 uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
                         bool* guarded) {
   // The Python stack gives forward ops their location and every op its loop context. Backward
@@ -441,6 +497,24 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     run_real(op, ks, stack);
     return;
   }
+  if (outside_program_on_this_thread()) {
+    bool outside;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      outside = runs_outside(op, args);
+    }
+    if (outside) {
+      // Not the program's: eager's kernel on eager's values, where Python issues it; its results
+      // are ordinary tensors the program reads as inputs from outside.
+      run_real(op, ks, stack);
+      for (size_t r = stack->size() - op.schema().returns().size(); r < stack->size(); ++r) {
+        const c10::IValue& v = (*stack)[r];
+        if (v.isTensor() && v.toTensor().has_storage())
+          note_made_outside(v.toTensor().unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+      }
+      return;
+    }
+  }
   if (makes_zero_tensor(op)) {
     stop_capturing(not_captured("zero", op, "makes one: forward-mode AD's tangent of a value without one"), -1);
     run_real(op, ks, stack);
@@ -489,6 +563,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   rec.checked = guarded && checks_argument_values(op);
   fold_grad_mode(op, stack->data() + stack->size() - nargs);  // (capture/grad_mode_kernels.h)
   add_inputs_and_attributes(rec, args);
+  note_program_writes(rec);
 
   // (A collective without tensors, the one host op recorded, always runs.)
   if (mode_ == Mode::Placeholder && !host) {

@@ -106,6 +106,11 @@ class Region {
   // placeholder made for a replayed record).
   void set_produced(const at::Tensor& t, int32_t record, int32_t output);
 
+  // ---- ops outside the program (capture/outside_program.h) ----
+  // Whether Python may read `t`'s memory itself (numpy(), tolist()) without waiting for the
+  // graph: a real tensor no op of this iteration produced and no op of the program has written.
+  bool outside_tensor(const at::Tensor& t);
+
  private:
   struct Produced {
     // Pins the address, not the tensor. Optional only so that table slots can start empty.
@@ -125,6 +130,12 @@ class Region {
   ValueRef reference(const at::Tensor& t, const Reader* reader = nullptr);
   std::optional<ValueRef> find_produced(const at::Tensor& t) const;  // produced() without the lock
   void add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue> args);
+  // Inside an OutsideProgram block: whether `op` runs for real, unrecorded (outside_program.h).
+  bool runs_outside(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) const;
+  bool outside_input(const at::Tensor& t) const;  // outside_tensor() without the lock
+  // Notes the storages of the inputs from outside that `rec` (just recorded) writes
+  // (note_program_write, capture/outside_program.h).
+  void note_program_writes(const OpRecord& rec);
   // `walked`: the stack was walked without the GIL for this op (LocationTracker::walk_without_gil).
   uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
                   bool* guarded);

@@ -9,6 +9,7 @@
 #include "capture/placeholder.h"
 #include <optional>
 
+#include "capture/outside_program.h"
 #include "capture/region.h"
 #include "capture/terra_key.h"
 #include "capture/meta_functions.h"
@@ -97,6 +98,18 @@ void init_capture(py::module_& m) {
       .def("__enter__", [](Suspended& s) { s.guard.emplace(); })
       .def("__exit__", [](Suspended& s, py::args) { s.guard.reset(); });
 
+  // `with _C.outside_program():` code the program runs that is not the program (a DataLoader
+  // assembling a batch): its ops run for real, unrecorded, where nothing the graph owes can reach
+  // them (capture/outside_program.h).
+  struct Outside {
+    std::optional<capture::OutsideProgram> block;
+  };
+  py::class_<Outside>(m, "outside_program")
+      .def(py::init<>())
+      .def("__enter__", [](Outside& o) { o.block.emplace(); })
+      .def("__exit__", [](Outside& o, py::args) { o.block.reset(); });
+  m.def("outside_program_active", &capture::outside_program_on_this_thread);
+
   py::class_<Region, std::shared_ptr<Region>>(m, "Region")
       .def(py::init([](const std::string& mode, py::object stop_frame) {
              TORCH_CHECK(mode == "record" || mode == "placeholder",
@@ -115,6 +128,8 @@ void init_capture(py::module_& m) {
           "reads are inputs from outside, fed with its memory (Region::note_data_replaced)")
       .def("unsupported", &Region::unsupported)
       .def_property_readonly("is_open", &Region::is_open)
+      .def("outside_tensor", &Region::outside_tensor, py::arg("tensor"),
+           "Whether Python may read the tensor's memory without waiting for the graph (capture/outside_program.h)")
       .def_property_readonly("handled", &Region::handled,
                              "Ops the interceptor brought to this region (replayed records are not among them)")
       .def("ops", &ops_of)

@@ -25,7 +25,7 @@
 // is the recorded one), each tensor argument (a value of this iteration by its reference, any
 // other tensor by identity, None as None), and a number the caller vouches for: the same number
 // only where the Python code would issue the same ops with the same Python numbers
-// (terra_torch/_optimizer.py: the hyperparameters, compared by value). A recorded call is kept
+// (terra_torch/_optimizer/: the hyperparameters, compared by value). A recorded call is kept
 // only if its ops all ran on the graph, created no autograd node, read no data, and read no
 // tensor from outside the iteration that is not one of its arguments.
 #pragma once

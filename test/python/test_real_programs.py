@@ -133,7 +133,7 @@ class Stack(nn.Module):
 def test_adam_step_counters_are_read_without_waiting_for_the_graph(replay, monkeypatch):
     """Single-tensor Adam reads every parameter's step counter (.item()) each step: after the
     first read the Python side answers them itself (known values), bitwise. A replayed step
-    (terra_torch/_optimizer.py) reads them without an op, for its numbers."""
+    (terra_torch/_optimizer/) reads them without an op, for its numbers."""
     monkeypatch.setattr(terra_torch._optimizer, "enabled", replay)
 
     def make():
@@ -305,7 +305,7 @@ def test_foreach_adam_step_counters_are_followed_through_the_foreach_op(replay, 
     path of torch/optim/adam.py) and reads each of them twice per step: the list op is followed
     on the copies, so after the first reads none waits. (The foreach kernel's version bumps
     happen inside it, which co-execution never runs: a copy's version is settled at the next op.)
-    A replayed step (terra_torch/_optimizer.py) reads the counters without an op for its
+    A replayed step (terra_torch/_optimizer/) reads the counters without an op for its
     numbers and teaches Python their new values: the program's own reads do not wait either."""
     monkeypatch.setattr(terra_torch._optimizer, "enabled", replay)
 

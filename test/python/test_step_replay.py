@@ -1,5 +1,5 @@
 """optimizer.step() in co-execution without its Python (issue 15; csrc/runtime/call_replay.h,
-terra_torch/_optimizer.py): every program trains 60 iterations eagerly and under
+terra_torch/_optimizer/): every program trains 60 iterations eagerly and under
 terra_torch.wrap from the same seeds and must match bitwise (losses, parameters, gradients, and
 the parameters' version counters); SGD's steps are replayed once their key repeats, and what
 changes the key (hyperparameters, a momentum buffer made, a gradient gone) runs the body again."""
@@ -382,7 +382,7 @@ def test_adam_steps_are_replayed_bitwise_with_the_step_counters_known(make):
 def test_adam_with_step_counters_that_differ_between_parameters_replays_bitwise(make):
     """A gradient dropped every other step (`p.grad = None` after backward) leaves that parameter's
     step counter behind the others': the stand-in computes the bias corrections per count, not
-    once for the group (terra_torch/_optimizer.py, the uniform shortcut must not apply)."""
+    once for the group (terra_torch/_optimizer/, the uniform shortcut must not apply)."""
     counts = []
 
     def step(model, opt, i, log):
