@@ -19,6 +19,7 @@ _C.check_torch_abi(torch.__version__)
 _C.install_interceptor()
 
 from terra_torch import _backward, _data_loading, _legacy_constructors, _log, _materialize, _optimizer, _rng, debug, profile  # noqa: E402
+from terra_torch._data_loading import outside_program  # noqa: E402
 from terra_torch.api import explain, function, stats, synchronize, timeline, unwrap, wrap  # noqa: E402
 
 _log.configure()  # TERRA_LOG=debug|info|warning
@@ -33,5 +34,5 @@ _data_loading.install()  # a DataLoader's batches are assembled outside the prog
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "function", "synchronize", "stats", "explain", "timeline", "debug", "profile",
-           "__version__"]
+__all__ = ["wrap", "unwrap", "function", "synchronize", "stats", "explain", "timeline", "outside_program", "debug",
+           "profile", "__version__"]

@@ -13,8 +13,9 @@ Outside a co-executed or traced iteration the block changes nothing (interceptio
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.utils.data
 import torch.utils.data.dataloader
@@ -22,6 +23,29 @@ import torch.utils.data.dataloader
 from terra_torch import _C
 
 _installed = False
+
+
+@contextlib.contextmanager
+def outside_program() -> Iterator[None]:
+    """Runs a block of a training loop's body as code outside the program, the way terra_torch
+    runs a DataLoader's `__next__`: for a loader of your own (indexing tensors you hold, stacking
+    samples) inside a loop under `terra_torch.wrap`.
+
+        for step in range(steps):
+            with terra_torch.outside_program():
+                x, y = my_batches.next_batch()
+            loss = loss_fn(model(x), y)
+            ...
+
+    Each op in the block runs for real where Python issues it, unrecorded, when nothing the graph
+    owes can reach it: its tensors are real and none shares memory with a tensor the program's
+    ops have written, it writes only tensors made in the block, and it draws no random numbers
+    from the default generator. Any other op stays the program's (recorded, computed by the
+    graph, in program order), so the numbers are eager's either way
+    (csrc/capture/outside_program.h). Outside a co-executed or traced iteration it changes
+    nothing."""
+    with _C.outside_program():
+        yield
 
 
 def _outside(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -268,3 +268,39 @@ def test_outside_a_co_executed_iteration_the_block_changes_nothing(monkeypatch):
     monkeypatch.setattr(iterator, "__next__", iterator.__next__.__wrapped__)
     want = batches()
     assert len(got) == len(want) == 8 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_loader_of_ones_own_in_an_outside_program_block():
+    """terra_torch.outside_program() around a hand-written batch function (index a tensor, stack):
+    its ops stay out of the program, as a DataLoader's do, and the numbers are eager's."""
+    data = tensors(96)
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(7)).tolist()
+    loader_ops: list[int] = []
+
+    def run(terra: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model, opt = model_and_optimizer()
+        wrapped = terra_torch.wrap(model, speed_check=False) if terra else model
+        losses = []
+        for step in range(48):
+            program = getattr(wrapped, "_terra_program", None)
+            region = getattr(program, "_region", None)
+            before = region.handled if region is not None and program.phase == "coexec" else None
+            with terra_torch.outside_program():
+                idx = order[(step * 8) % 96:(step * 8) % 96 + 8]
+                x = torch.stack([data.tensors[0][i] for i in idx])
+                y = torch.stack([data.tensors[1][i] for i in idx])
+            if before is not None:
+                loader_ops.append(region.handled - before)
+            loss = F.cross_entropy(wrapped(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        if terra:
+            terra_torch.synchronize()
+            terra_torch.unwrap(wrapped)
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (la, pa), (lb, pb) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)) and all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert len(loader_ops) >= 40 and max(loader_ops) == 0, loader_ops
