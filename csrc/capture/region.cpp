@@ -308,7 +308,10 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
 
 bool Region::outside_input(const at::Tensor& t) const {
   if (is_placeholder(t) || find_produced(t)) return false;
-  return !t.has_storage() || !program_wrote(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  if (!t.has_storage()) return true;
+  // (any alias of a value of this iteration, whatever its sizes: a view no op recorded)
+  const c10::StorageImpl* storage = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  return produced_storage_.find(storage) == nullptr && !program_wrote(storage);
 }
 
 bool Region::outside_tensor(const at::Tensor& t) {
