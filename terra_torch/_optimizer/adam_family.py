@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from terra_torch import runtime
-from terra_torch._optimizer.keys import (COUNTER_DTYPES, Key, counted_parameters, counts_after, float32, key_state,
+from terra_torch._optimizer.keys import (COUNTER_DTYPES, Key, counted_group, counts_after, float32, key_state,
                                          keyed_with_betas)
 
 
@@ -39,21 +39,13 @@ def adam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
     # gradient, their dtypes)
     groups: list[tuple[str, float, float, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
-        # Capturable and differentiable steps compute their numbers as tensors.
-        if group["capturable"] or group["differentiable"]:
+        counted = counted_group(group, states, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), extend)
+        if counted is None:
             return args, kwargs, None
         path = "fused" if group["fused"] else "foreach" if group["foreach"] else "single"
         beta1, beta2 = group["betas"]
-        if type(group["lr"]) not in (float, int) or type(beta1) not in (float, int):
-            return args, kwargs, None  # (a tensor learning rate or beta1: numbers it cannot pass)
         decay = group["weight_decay"] if group.get("decoupled_weight_decay") else 0.0
-        counted = counted_parameters(group, states, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), extend)
-        if counted is None:
-            return args, kwargs, None
-        counters, dtypes, counter_dtypes = counted
-        if path == "foreach" and len(dtypes) > 1:
-            return args, kwargs, None  # (the foreach path groups parameters by dtype, one list each)
-        groups.append((path, group["lr"], beta1, beta2, decay, counters, counter_dtypes))
+        groups.append((path, group["lr"], beta1, beta2, decay, *counted))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
@@ -114,18 +106,10 @@ def adamax_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
     # Per group: (foreach, lr, beta1, step counters with a gradient, their dtypes)
     groups: list[tuple[bool, float, float, list[torch.Tensor], set[torch.dtype]]] = []
     for group in opt.param_groups:
-        beta1 = group["betas"][0]
-        if group["capturable"] or group["differentiable"] or type(group["lr"]) not in (float, int) or \
-                type(beta1) not in (float, int):
-            return args, kwargs, None  # (numbers as tensors, or a tensor lr or beta1: numbers it cannot pass)
-        counted = counted_parameters(group, states, ("exp_avg", "exp_inf"), extend)
+        counted = counted_group(group, states, ("exp_avg", "exp_inf"), extend)
         if counted is None:
             return args, kwargs, None
-        counters, dtypes, counter_dtypes = counted
-        foreach = bool(group["foreach"])
-        if foreach and len(dtypes) > 1:
-            return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
-        groups.append((foreach, group["lr"], beta1, counters, counter_dtypes))
+        groups.append((bool(group["foreach"]), group["lr"], group["betas"][0], *counted))
 
     def numbers(session: Any) -> tuple[list[float], list[tuple[torch.Tensor, float]]] | None:
         out: list[float] = []
@@ -181,18 +165,13 @@ def nadam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     groups: list[tuple[bool, float, float, float, float, float, list[torch.Tensor], set[torch.dtype],
                        list[torch.Tensor]]] = []
     for group in opt.param_groups:
-        beta1, beta2 = group["betas"]
-        if group["capturable"] or group["differentiable"] or type(group["lr"]) is not float or \
-                type(beta1) is not float:
-            return args, kwargs, None  # (numbers as tensors, or an lr or beta1 it cannot pass)
         start = len(tensors)
-        counted = counted_parameters(group, states, ("exp_avg", "exp_avg_sq", "mu_product"), extend)
+        counted = counted_group(group, states, ("exp_avg", "exp_avg_sq", "mu_product"), extend)
         if counted is None:
             return args, kwargs, None
-        counters, dtypes, counter_dtypes = counted
+        counters, counter_dtypes = counted
+        beta1, beta2 = group["betas"]
         foreach = bool(group["foreach"])
-        if foreach and len(dtypes) > 1:
-            return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
         # (per parameter: parameter, gradient, exp_avg, exp_avg_sq, mu_product, step)
         products = [t for t in tensors[start + 4::6] if t is not None]
         if len(products) != len(counters) or any(t.dtype not in COUNTER_DTYPES for t in products):
@@ -278,17 +257,13 @@ def radam_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any,
     after: list[tuple[torch.Tensor, float]] = []
     rectified: list[bool] = []
     for group in opt.param_groups:
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if group["capturable"] or group["differentiable"] or type(lr) is not float or type(beta1) is not float:
-            return args, kwargs, None  # (numbers as tensors, or an lr or beta1 it cannot pass)
-        counted = counted_parameters(group, states, ("exp_avg", "exp_avg_sq"), extend)
+        counted = counted_group(group, states, ("exp_avg", "exp_avg_sq"), extend)
         if counted is None:
             return args, kwargs, None
-        counters, dtypes, counter_dtypes = counted
+        counters, counter_dtypes = counted
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
         foreach = bool(group["foreach"])
-        if foreach and len(dtypes) > 1:
-            return args, kwargs, None  # (one list per dtype: the order of the lists is torch's)
         if not counters:
             continue
         # The single-tensor path's ops depend on the counts: they are computed here, for the key,

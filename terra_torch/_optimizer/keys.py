@@ -210,3 +210,23 @@ def counted_parameters(group: dict[str, Any], states: Any, state_names: tuple[st
         extend((step,))
         counters.append(step)
     return counters, dtypes, counter_dtypes
+
+
+def counted_group(group: dict[str, Any], states: Any, state_names: tuple[str, ...],
+                  extend: Callable[[Any], None]) -> tuple[list[torch.Tensor], set[torch.dtype]] | None:
+    """For Adam, Adamax, NAdam and RAdam, one param group: its tensors onto `extend`
+    (counted_parameters), and the step counters of its parameters with a gradient with their
+    dtypes. None where the group's step cannot be keyed: capturable or differentiable (the
+    numbers are tensors then), a learning rate or beta1 that is no Python number (a tensor a
+    scheduler writes), a parameter counted_parameters refuses, or a foreach group over several
+    dtypes (one list per dtype, in torch's order)."""
+    if group["capturable"] or group["differentiable"] or type(group["lr"]) not in (float, int) or \
+            type(group["betas"][0]) not in (float, int):
+        return None
+    counted = counted_parameters(group, states, state_names, extend)
+    if counted is None:
+        return None
+    counters, dtypes, counter_dtypes = counted
+    if group["foreach"] and len(dtypes) > 1:
+        return None
+    return counters, counter_dtypes
