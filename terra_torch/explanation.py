@@ -57,6 +57,7 @@ class Explanation:
     # ...}, each {"replayed", "recorded", "per_op", "reason"} (reason: why the last one that was
     # not replayed was not); empty before co-execution.
     replays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outside_ops: int = 0  # ops run outside the program, unrecorded (csrc/capture/outside_program.h)
     # The _C.emit.Graph the picture is drawn from; None before any graph was built.
     _graph: Any = field(default=None, repr=False, compare=False)
 
@@ -131,6 +132,9 @@ class Explanation:
                 line = (f"  {label} without Python: {r['replayed']} replayed, {r['recorded']} recorded, "
                         f"{r['per_op']} op by op")
                 out.append(line + (f" (last: {r['reason']})" if r["reason"] else ""))
+        if self.outside_ops:
+            out.append(f"  ops outside the program (a DataLoader's batches, outside_program() blocks): "
+                       f"{self.outside_ops}, run where Python issued them")
         out.append(f"  fallbacks: {len(self.fallbacks)}")
         # Grouped by line: a site that falls back every iteration is one line to fix, not many.
         sites: dict[str | None, list[Fallback]] = {}
@@ -183,6 +187,7 @@ def explanation_from(
         replays={what: {k: runner.get(f"{what}_{k}", 0 if k != "reason" else "")
                         for k in ("replayed", "recorded", "per_op", "reason")}
                  for what in ("backward", "calls") if runner and f"{what}_replayed" in runner},
+        outside_ops=int(runner.get("outside_ops", 0)) if runner else 0,
         _graph=native,
     )
 

@@ -73,6 +73,9 @@ class CoExecHook {
   // of waiting for the graph.
   virtual bool known_read_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
                                     torch::jit::Stack& out) = 0;
+
+  // An op ran outside the program, unrecorded (capture/outside_program.h): counted for explain().
+  virtual void ran_outside() {}
 };
 
 }  // namespace terra::capture

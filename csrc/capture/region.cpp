@@ -510,6 +510,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
       // Not the program's: eager's kernel on eager's values, where Python issues it; its results
       // are ordinary tensors the program reads as inputs from outside.
       run_real(op, ks, stack);
+      if (hook_ != nullptr) hook_->ran_outside();
       for (size_t r = stack->size() - op.schema().returns().size(); r < stack->size(); ++r) {
         const c10::IValue& v = (*stack)[r];
         if (v.isTensor() && v.toTensor().has_storage())

@@ -67,6 +67,7 @@ py::dict session_stats(Session& s) {
   d["calls_recorded"] = c2.recorded;
   d["calls_per_op"] = c2.per_op;
   d["calls_reason"] = c2.reason;
+  d["outside_ops"] = s.runner().outside_ops();
   if (const emit::EmittedGraph* e = s.emitted()) {
     // Reads where the graph picks the producer Python read, and ops checked before it runs them.
     d["selected_reads"] = e->num_selections;

@@ -162,6 +162,9 @@ class PythonRunner final : public capture::CoExecHook {
     std::string reason;
   };
   const CallStats& call_stats() const { return call_stats_; }
+  // Ops a DataLoader (or an outside_program() block) ran for real, unrecorded.
+  int64_t outside_ops() const { return outside_ops_; }
+  void ran_outside() override { ++outside_ops_; }
 
   PythonRunnerStats stats() const { return stats_; }
   RunnerStats graph_stats() const { return runner_->stats(); }
@@ -378,6 +381,7 @@ class PythonRunner final : public capture::CoExecHook {
   std::vector<CallMemo> call_memos_;
   uint64_t call_memo_ids_ = 0;
   CallStats call_stats_;
+  int64_t outside_ops_ = 0;
   KnownValues known_;
   // An admitted op whose arguments Python knew (admit -> outputs, which follows them to the op's
   // outputs): its record and operator. Its known values are in known_args_, the tensors it writes

@@ -62,6 +62,7 @@ def train(make_loader: Callable[[], Any], terra: bool, epochs: int = 8, dropout:
         terra_torch.synchronize()
         out["stats"] = terra_torch.stats(wrapped)
         out["reasons"] = [f.reason for f in wrapped._terra_program.fallbacks]
+        out["explained"] = str(terra_torch.explain(wrapped))
         terra_torch.unwrap(wrapped)
     return out
 
@@ -91,6 +92,9 @@ def test_a_shuffled_tensor_dataset_is_assembled_outside_the_program():
     assert r["stats"].fallbacks <= 2, r["reasons"]
     assert len(r["loader_ops"]) >= 30
     seeded_epochs(r["loader_ops"], 12)
+    # explain() counts them: at least the 34 ops of each full co-executed batch
+    assert r["stats"].runner["outside_ops"] >= 34 * 24, r["stats"].runner["outside_ops"]
+    assert "ops outside the program" in r["explained"], r["explained"]
 
 
 def seeded_epochs(loader_ops: list[int], epochs: int) -> None:
