@@ -13,6 +13,9 @@ Each idiom is a small program around one habit of real training scripts:
                    `torch._foreach_lerp_`
 - acc_item:        label smoothing, accuracy by `(out.argmax(1) == y).sum().item()` every step
 - packed_gru:      Embedding + GRU over `pack_padded_sequence` (variable lengths), Adam
+- get_batch:       nanoGPT's batch function (indices from `torch.randint`, 2 x 8 slices of a token
+                   tensor stacked) before a small language model, AdamW
+- get_batch_outside: the same with the batch function in `terra_torch.outside_program()`
 
 Cells, in turns, each in its own process (`--reps` times): eager and terra (`terra_torch.wrap`,
 speed check off). Per cell the median of steady-state ms per step (the last two thirds of
@@ -33,7 +36,7 @@ import time
 from typing import Any, Callable
 
 IDIOMS = ("autocast_bf16", "grad_accum", "warmup_clip", "dataloader", "transformer_enc", "ema_mixup", "acc_item",
-          "packed_gru")
+          "packed_gru", "get_batch", "get_batch_outside")
 
 
 def _programs() -> dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any], int], Any]]]:
@@ -179,7 +182,32 @@ def _programs() -> dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[
         st["opt"].step()
         return loss.detach()
 
-    return {"autocast_bf16": (adamw, autocast_step), "grad_accum": (adamw, accumulate_step),
+    def tokens() -> dict[str, Any]:
+        m = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+        return dict(model=m, params=list(m.parameters()), opt=torch.optim.AdamW(m.parameters(), lr=1e-3),
+                    data=torch.randint(0, 64, (5000,), generator=torch.Generator().manual_seed(1)))
+
+    def get_batch(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - 17, (8,))
+        return torch.stack([data[i:i + 16] for i in ix]), torch.stack([data[i + 1:i + 17] for i in ix])
+
+    def tokens_step(st: dict[str, Any], i: int, outside: bool = False) -> Any:
+        if outside:
+            import terra_torch
+
+            with terra_torch.outside_program():
+                x, y = get_batch(st["data"])
+        else:
+            x, y = get_batch(st["data"])
+        loss = F.cross_entropy(st["model"](x).view(-1, 64), y.view(-1))
+        st["opt"].zero_grad(set_to_none=True)
+        loss.backward()
+        st["opt"].step()
+        return loss.detach()
+
+    return {"get_batch": (tokens, tokens_step),
+            "get_batch_outside": (tokens, lambda st, i: tokens_step(st, i, outside=True)),
+            "autocast_bf16": (adamw, autocast_step), "grad_accum": (adamw, accumulate_step),
             "warmup_clip": (scheduled, clip_step), "dataloader": (loader, loader_step),
             "transformer_enc": (encoder, encoder_step), "ema_mixup": (mixup, mixup_step),
             "acc_item": (adamw, accuracy_step), "packed_gru": (tagger, tagger_step)}

@@ -3,7 +3,7 @@
 Under `terra_torch.wrap` the region spans the training loop's body, so `next(loader_iter)` runs
 inside it: a map-style dataset indexes its tensors per sample and the collate function stacks
 them. Recorded, those ops took the per-op path and made the graph assemble every batch one op at
-a time from fed indices (an MLP over a shuffled TensorDataset co-executed at 0.47x eager). The
+a time from fed indices (an MLP over a shuffled TensorDataset co-executed at 0.54x eager). The
 stand-ins here run `DataLoader.__iter__` and each iterator's `__next__` in an
 `_C.outside_program()` block: an op in it runs for real where Python issues it, unrecorded, where
 nothing the graph owes can reach it, and is recorded as before otherwise (a draw from the default

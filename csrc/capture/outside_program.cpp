@@ -11,9 +11,13 @@
 
 namespace terra::capture {
 
+namespace detail {
+thread_local int outside_program_depth = 0;
+}  // namespace detail
+
 namespace {
 
-thread_local int t_depth = 0;
+using detail::outside_program_depth;
 // Addresses only, compared while the block runs (its tensors are alive in the block's frames;
 // an address reused after one died belongs to another tensor made in the block, or to one that
 // fails Region::runs_outside's other conditions first).
@@ -34,16 +38,14 @@ ProgramWrites& program_writes() {
 
 }  // namespace
 
-OutsideProgram::OutsideProgram() { ++t_depth; }
+OutsideProgram::OutsideProgram() { ++outside_program_depth; }
 
 OutsideProgram::~OutsideProgram() {
-  if (--t_depth == 0) t_made.clear();
+  if (--outside_program_depth == 0) t_made.clear();
 }
 
-bool outside_program_on_this_thread() { return t_depth > 0; }
-
 void note_made_outside(const c10::StorageImpl* storage) {
-  if (t_depth > 0 && storage != nullptr) t_made.push_back(storage);
+  if (outside_program_depth > 0 && storage != nullptr) t_made.push_back(storage);
 }
 
 bool made_outside(const c10::StorageImpl* storage) {

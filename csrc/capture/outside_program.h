@@ -5,7 +5,8 @@
 // `select` per tensor) and the collate function stacks them, 66 ops for a batch of 32 pairs.
 // Recorded, each of them took the per-op path, every index was a fed Python int that changed
 // every step, and the graph ran the batch's assembly one op at a time, woken by each post: an MLP
-// trained from a shuffled DataLoader co-executed at 0.47x eager. None of it is the program's:
+// trained from a shuffled DataLoader co-executed at 0.54x eager (docs/BENCHMARKS.md, session 40:
+// 1.55x with this). None of it is the program's:
 // the dataset's tensors are data the program never writes, and eager runs the same kernels on
 // the same values wherever they run.
 //
@@ -40,7 +41,11 @@ class OutsideProgram {
   OutsideProgram& operator=(const OutsideProgram&) = delete;
 };
 
-bool outside_program_on_this_thread();
+// Asked by Region::handle for every op: an inline read of the thread's depth.
+namespace detail {
+extern thread_local int outside_program_depth;
+}
+inline bool outside_program_on_this_thread() { return detail::outside_program_depth > 0; }
 
 // Storage an op run outside the program made (its results): the block's later in-place writes
 // into it stay outside (a dataset normalising the sample it just cloned). Forgotten when the

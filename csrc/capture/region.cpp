@@ -307,9 +307,10 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
 // ---- ops outside the program ---------------------------------------------------------------------
 
 bool Region::outside_input(const at::Tensor& t) const {
-  if (is_placeholder(t) || find_produced(t)) return false;
-  if (!t.has_storage()) return true;
-  // (any alias of a value of this iteration, whatever its sizes: a view no op recorded)
+  if (is_placeholder(t)) return false;
+  if (!t.has_storage()) return produced_.find(t.unsafeGetTensorImpl()) == nullptr;
+  // By storage, not find_produced's storage and layout: any alias of a value of this iteration
+  // (produce() lists every produced storage), whatever its sizes, is one.
   const c10::StorageImpl* storage = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
   return produced_storage_.find(storage) == nullptr && !program_wrote(storage);
 }
