@@ -6,7 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "capture/explicit_generators.h"
+#include "capture/draw_side.h"
 #include "capture/host_filled_tensors.h"
 #include "capture/placeholder.h"
 #include "capture/region.h"
@@ -76,10 +76,11 @@ void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   bool on = c10::impl::tls_local_dispatch_key_set().included_.has_backend(kTerraBackendBit) &&
             !host_factories_on_this_thread();
   if (Region* region = on ? intercepting_region() : nullptr) {
-    // Python draws from an explicit generator itself: for real, unrecorded (explicit_generators.h).
+    // Python draws from a generator the graph never drew from itself: for real, unrecorded
+    // (capture/draw_side.h).
     const size_t nargs = op.schema().arguments().size();
     if (region->mode() != Mode::Placeholder &&
-        python_draws(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nargs, nargs))) {
+        python_draws(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nargs, nargs))) {
       run_real(op, ks, stack);
       return;
     }

@@ -13,7 +13,7 @@
 
 #include "capture/coexec_hook.h"
 #include "capture/collectives.h"
-#include "capture/explicit_generators.h"
+#include "capture/draw_side.h"
 #include "capture/grad_mode_kernels.h"
 #include "capture/interceptor.h"
 #include "capture/op_arguments.h"
@@ -295,13 +295,13 @@ void Region::add_inputs_and_attributes(OpRecord& rec, c10::ArrayRef<c10::IValue>
       }
     }
     if (!is_tensor_like(v)) {
-      note_graph_draws(v);  // (explicit_generators.h)
       rec.attributes.push_back(v);
       rec.attribute_arguments.push_back(static_cast<int16_t>(i));
       h = hash_attribute(h, v, true, generalize);
     }
   }
   rec.attributes_hash = h;
+  note_graph_draws(rec.op, args);  // (capture/draw_side.h)
 }
 
 // ---- ops outside the program ---------------------------------------------------------------------
@@ -321,9 +321,9 @@ bool Region::outside_tensor(const at::Tensor& t) {
 }
 
 bool Region::runs_outside(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) const {
-  // Random numbers the graph also draws (the default generator, or an explicit one the graph has
-  // drawn from) keep program order only on the graph's side (explicit_generators.h).
-  if (op.hasTag(at::Tag::nondeterministic_seeded) && !python_draws(args)) return false;
+  // Random numbers from a generator the graph draws from keep program order only on the graph's
+  // side (capture/draw_side.h).
+  if (op.hasTag(at::Tag::nondeterministic_seeded) && !python_draws(op, args)) return false;
   if (is_collective(op)) return false;
   const c10::FunctionSchema& schema = op.schema();
   auto fits = [&](const at::Tensor& t, size_t a) {
@@ -353,13 +353,16 @@ bool Region::runs_outside(const c10::OperatorHandle& op, c10::ArrayRef<c10::IVal
   return true;
 }
 
-void Region::note_program_writes(const OpRecord& rec) {
-  const c10::FunctionSchema& schema = rec.op.schema();
-  for (const OpInput& in : rec.inputs) {
-    if (!in.value.is_external() || !writes_argument(schema, static_cast<size_t>(in.argument))) continue;
-    const at::Tensor& t = externals_alive_.at(static_cast<size_t>(in.value.external));
-    if (t.has_storage()) note_program_write(t.unsafeGetTensorImpl()->unsafe_storage());
-  }
+void Region::note_program_writes(const OpRecord& rec, c10::ArrayRef<c10::IValue> args) {
+  // Every real tensor the op writes that is no value of this iteration, a training batch norm's
+  // running statistics included: its schema does not say that it writes them
+  // (capture/op_arguments.h), and `bn.running_mean.sum()` in a block was computed from memory
+  // the graph had not updated yet (test_data_loading.py).
+  for_each_written(rec.op, args, [&](const at::Tensor& w) {
+    if (!w.defined() || !w.has_storage() || is_placeholder(w)) return;
+    const c10::Storage& storage = w.unsafeGetTensorImpl()->unsafe_storage();
+    if (produced_storage_.find(storage.unsafeGetStorageImpl()) == nullptr) note_program_write(storage);
+  });
 }
 
 uint64_t Region::locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
@@ -568,7 +571,7 @@ void Region::handle(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   rec.checked = guarded && checks_argument_values(op);
   fold_grad_mode(op, stack->data() + stack->size() - nargs);  // (capture/grad_mode_kernels.h)
   add_inputs_and_attributes(rec, args);
-  note_program_writes(rec);
+  note_program_writes(rec, args);
 
   // (A collective without tensors, the one host op recorded, always runs.)
   if (mode_ == Mode::Placeholder && !host) {

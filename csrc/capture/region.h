@@ -133,9 +133,9 @@ class Region {
   // Inside an OutsideProgram block: whether `op` runs for real, unrecorded (outside_program.h).
   bool runs_outside(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) const;
   bool outside_input(const at::Tensor& t) const;  // outside_tensor() without the lock
-  // Notes the storages of the inputs from outside that `rec` (just recorded) writes
-  // (note_program_write, capture/outside_program.h).
-  void note_program_writes(const OpRecord& rec);
+  // Notes the storages of the real tensors that `rec` (just recorded, on `args`) writes and this
+  // iteration did not produce (note_program_write, capture/outside_program.h).
+  void note_program_writes(const OpRecord& rec, c10::ArrayRef<c10::IValue> args);
   // `walked`: the stack was walked without the GIL for this op (LocationTracker::walk_without_gil).
   uint64_t locate(OpRecord& rec, int32_t index, torch::autograd::Node* node, bool has_python, bool walked,
                   bool* guarded);

@@ -1,5 +1,6 @@
 #include "capture/trace_json.h"
 
+#include "capture/draw_side.h"
 #include "capture/interceptor.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -240,6 +241,7 @@ Trace trace_from_json(const json& j) {
       rec.origin = o.at("origin").get<int32_t>();
       rec.needs_materialization = o.at("mat").get<bool>();
       rec.checked = o.at("chk").get<bool>();
+      note_graph_draws(rec);  // (the graph built from it draws: capture/draw_side.h)
     }
   } catch (const json::exception& e) {
     refuse(std::string("a kept trace is malformed: ") + e.what());

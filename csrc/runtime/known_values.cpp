@@ -219,18 +219,46 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
   planned_ = std::move(r);
 }
 
+namespace {
+
+// Every result of the op is a view of an argument, or a list of such views (`unbind.int(Tensor(a
+// -> *) self) -> Tensor(a)[]`, whose alias set sits on the list's elements), and it writes none.
+bool makes_views(const c10::FunctionSchema& schema) {
+  if (capture::writes_an_argument(schema) || schema.returns().empty()) return false;
+  for (const c10::Argument& ret : schema.returns())
+    if (ret.alias_info() == nullptr || ret.alias_info()->isWrite()) return false;
+  return true;
+}
+
+}  // namespace
+
 void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
   if (!planned_) return;
   Recipe r = std::move(*planned_);
   planned_.reset();
-  if (outputs.size() != 1) return;
-  const at::Tensor& out = outputs[0];
-  if (!out.defined() || !out.is_cpu() || untracked(out) ||
-      out.numel() > (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements))
+  if (outputs.empty() || outputs.size() > kMaxRecipeOutputs) return;
+  auto qualifies = [&](const at::Tensor& out) {
+    return out.defined() && out.is_cpu() && !untracked(out) &&
+           out.numel() <= (r.needs_graph ? kMaxKnownElements : kMaxRecipeElements);
+  };
+  auto keep = [&](Recipe&& kept, const at::Tensor& out, int32_t output) {
+    kept.impl.emplace(out.getIntrusivePtr());
+    kept.version = out._version();
+    kept.output = output;
+    *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::make_shared<const Recipe>(std::move(kept));
+  };
+  if (outputs.size() == 1) {
+    if (qualifies(outputs[0])) keep(std::move(r), outputs[0], -1);
     return;
-  r.impl.emplace(out.getIntrusivePtr());
-  r.version = out._version();
-  *recipes_.try_emplace(out.unsafeGetTensorImpl()).first = std::make_shared<const Recipe>(std::move(r));
+  }
+  // One recipe per output, each running the whole op and taking its own output: the rows of
+  // `for i in ix` are read one by one, each as its own read. Only for ops that make views
+  // (unbind, split, chunk): a computation with several outputs may depend on the thread's state
+  // at the read (the LSTM layer's kernel on CPU reads GradMode: capture/grad_mode_kernels.h;
+  // its `output` came out an ulp apart under no_grad).
+  if (!makes_views(r.op->schema())) return;
+  for (size_t k = 0; k < outputs.size(); ++k)
+    if (qualifies(outputs[k])) keep(Recipe(r), outputs[k], static_cast<int32_t>(k));
 }
 
 void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
@@ -313,8 +341,24 @@ bool KnownValues::run_recipe(const Recipe& r, at::Tensor& v, const GraphValues& 
       return false;  // the graph raises where eager would; the read waits for it
     }
   }
-  if (stack.size() != 1 || !stack[0].isTensor()) return false;
-  v = stack[0].toTensor();
+  if (r.output < 0) {
+    if (stack.size() != 1 || !stack[0].isTensor()) return false;
+    v = stack[0].toTensor();
+  } else {
+    int32_t k = r.output;  // (counted over the tensor outputs, lists flattened, as outputs() gave them)
+    at::Tensor picked;
+    for (const c10::IValue& out : stack) {
+      if (out.isTensor()) {
+        if (k-- == 0) picked = out.toTensor();
+      } else if (out.isTensorList()) {
+        const c10::List<at::Tensor> list = out.toTensorList();
+        if (k >= 0 && static_cast<size_t>(k) < list.size()) picked = list.get(static_cast<size_t>(k));
+        k -= static_cast<int32_t>(list.size());
+      }
+    }
+    if (!picked.defined()) return false;
+    v = std::move(picked);
+  }
   resolved_.emplace_back(&r, v);
   return true;
 }

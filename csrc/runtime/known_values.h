@@ -183,6 +183,9 @@ class KnownValues {
     torch::jit::Stack args;  // private copies of known and fresh tensors; None for placeholders
     c10::SmallVector<RecipeInput, 2> inputs;
     std::optional<WeakImpl> impl;  // the output
+    // Which of the op's tensor outputs (flattened) `impl` is, for an op that makes several views
+    // (`unbind` of nanoGPT's `for i in ix`, `split`); -1: its only one.
+    int32_t output = -1;
     int64_t version = 0;
     bool needs_graph = false;  // some placeholder input has no recipe
     // The longest chain of recipes its inputs hold (RecipeInput::recipe), itself included: a
@@ -200,6 +203,8 @@ class KnownValues {
   static constexpr int kMaxRecipeDepth = 24;
   static constexpr int kMaxRecipeRuns = 64;
   static constexpr int64_t kMaxRecipeElements = 4096;
+  // The most outputs of one op that get recipes (`unbind` of a batch of indices: one per row).
+  static constexpr size_t kMaxRecipeOutputs = 64;
   // `t`'s value from a recipe (placeholder inputs: known, their own recipe, or the graph's);
   // learned when found.
   bool resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth);

@@ -710,7 +710,7 @@ def _generator_per_iteration(terra: bool, draw):
 def test_factories_draw_from_a_new_generator_every_iteration_on_python():
     # torch.utils.data.RandomSampler's idiom (a new generator per epoch, seeded with
     # manual_seed, then randperm) and per-step data synthesis: a factory that draws from an
-    # explicit generator runs where Python calls it (capture/explicit_generators.h), so a new
+    # explicit generator runs where Python calls it (capture/draw_side.h), so a new
     # object every iteration is no new path, and the program co-executes without a fallback.
     def draw(g, i):
         order = torch.randperm(8, generator=g)

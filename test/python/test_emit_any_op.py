@@ -92,7 +92,7 @@ def test_several_boxed_ops_in_one_graph_each_run_their_own_operator():
 
 def test_an_op_the_graph_cannot_express_costs_only_its_path(caplog):
     # A new torch.Generator object every 3rd step, passed to an op with a tensor argument (so
-    # the graph draws for it; capture/explicit_generators.h), cannot be baked into a graph. Only
+    # the graph draws for it; capture/draw_side.h), cannot be baked into a graph. Only
     # the iterations that draw from one run eagerly (from that op on), with the reason; the
     # others co-execute, and the program never goes eager for good.
     def body(model, x, y, i):
