@@ -69,6 +69,8 @@ class KnownValues {
   struct GraphValues {
     LinkOf link;
     c10::function_ref<std::optional<at::Tensor>(int64_t)> published;
+    // The value at an index if the graph has published it already (no wait).
+    c10::function_ref<std::optional<at::Tensor>(int64_t)> published_now;
   };
 
   // `args` with every tensor replaced by its known value (a Python number stands for itself);

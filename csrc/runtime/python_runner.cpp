@@ -238,9 +238,17 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
     wait_for_graph(index + 1);
     return values_->value(index);
   };
-  const KnownValues::GraphValues graph{link, published};
+  bool taken = false;
+  auto published_now = [this, &taken](int64_t index) -> std::optional<at::Tensor> {
+    if (!values_->spin_published(index + 1, std::chrono::nanoseconds(0))) return std::nullopt;
+    std::optional<at::Tensor> v = values_->value(index);
+    taken |= v.has_value();
+    return v;
+  };
+  const KnownValues::GraphValues graph{link, published, published_now};
   if (!known_.substitute(args, out, &graph)) return false;
   ++stats_.known_reads;
+  stats_.known_reads_published += taken ? 1 : 0;
   stats_.known_reads_waited += waited ? 1 : 0;
   return true;
 }

@@ -51,6 +51,7 @@ struct PythonRunnerStats {
   int64_t materialized = 0;    // placeholders given their value
   int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
   int64_t known_reads_waited = 0;  // of them, reads whose recipes waited for a graph value
+  int64_t known_reads_published = 0;  // of them, reads of values the graph had published (no recipe run)
   int64_t early_reads = 0;     // reads that waited only for the values they read (read_horizon)
   int64_t posted_decisions = 0;  // decisions (with gates and scalars) and feeds sent to the graph
   int64_t posted_feeds = 0;

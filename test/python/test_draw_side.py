@@ -144,11 +144,12 @@ def test_next_batch_drawn_after_the_step():
 
 def test_graph_draws_the_defaults_when_told():
     # TERRA_PYTHON_DRAWS=0: the graph draws for the default generator (the behaviour before), and
-    # the first read of each step's indices waits for it to finish the step before. Still exact.
+    # the first read of each step's indices waits for it to finish the step before (the rows
+    # read after it find their values published). Still exact.
     out = run_child(dropout=0.0, steps=40, env={"TERRA_PYTHON_DRAWS": "0"})
     assert_same(out)
     runner, coexec = out["terra"]["runner"], out["terra"]["iterations"]["coexec"]
-    assert runner["python_reads"] >= 3 * coexec, runner
+    assert runner["python_reads"] >= coexec, runner
 
 
 @pytest.mark.parametrize("rows", [3, 7])

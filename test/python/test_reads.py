@@ -134,6 +134,28 @@ def test_a_branch_on_the_loss_against_a_running_average_runs_on_the_python_side(
     assert runner["python_reads"] <= 3 * WARMUP, runner
 
 
+def test_a_read_of_a_value_the_graph_has_published_runs_no_recipe():
+    """Rows of the indices the forward picks (`for j in idx`), read after the graph has had time
+    to publish them (a sleep stands for the Python work between): each read takes the graph's
+    value instead of running the row's recipe (the unbind) again on the Python side; before the
+    graph gets there, the recipe answers and waits only for `idx`."""
+    import time
+
+    def step(model, opt, state, i):
+        scores = model(DATA[i % 6])
+        loss = F.cross_entropy(scores, LABELS[i % 6])
+        idx = scores.detach().argmax(dim=1)[:3]
+        time.sleep(0.002)
+        picked = [int(j) for j in idx]
+        opt.zero_grad()
+        (loss + 0.01 * scores[picked].sum()).backward()
+        opt.step()
+        state["log"] += [loss.detach(), picked]
+
+    runner = check(step)
+    assert runner["known_reads_published"] >= 2 * (STEPS - 2 * WARMUP), runner  # (of 3 rows a step)
+
+
 def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
     """`if x.mean() > 0` on the batch (a real tensor nothing writes): both ops run on the Python
     side, without waiting for the previous iteration's step."""
