@@ -84,14 +84,15 @@ def check(step: Callable[..., Any], make: Make = mlp) -> dict[str, Any]:
 
 
 def test_loss_item_after_the_step_waits_only_for_the_forward():
-    """`total += loss.item()` after `opt.step()`: the loss was published by the forward."""
+    """`total += loss.item()` after `opt.step()`: the loss was published by the forward. The read
+    waits only for it (an early read), or finds it published already and takes it."""
 
     def step(model, opt, state, i):
         loss = train_step(model, opt, DATA[i % 6], i)
         state["log"].append(loss.item())
 
     runner = check(step)
-    assert runner["early_reads"] >= STEPS - 2 * WARMUP, runner
+    assert runner["early_reads"] + runner["known_reads_published"] >= STEPS - 2 * WARMUP, runner
 
 
 HEAVY = torch.randn(384, 384, generator=torch.Generator().manual_seed(5))
@@ -266,7 +267,7 @@ def test_a_checked_embedding_waits_for_its_indices_only():
         state["log"].append(model.bad)
 
     runner = check(step, make_bag)
-    assert runner["early_reads"] >= STEPS - 2 * WARMUP, runner
+    assert runner["early_reads"] + runner["known_reads_published"] >= STEPS - 2 * WARMUP, runner
 
 
 def test_a_batch_the_idle_graph_waits_for_is_sent_at_once():
