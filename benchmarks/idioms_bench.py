@@ -30,10 +30,11 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
+
+from benchmarks.harness.interleaved import run_rounds
 
 IDIOMS = ("autocast_bf16", "grad_accum", "warmup_clip", "dataloader", "transformer_enc", "ema_mixup", "acc_item",
           "packed_gru", "get_batch", "get_batch_outside")
@@ -259,13 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"uptime before: {os.getloadavg()}")
     print(f"{'idiom':16s} {'eager ms':>9s} {'terra ms':>9s} {'x eager':>8s}  bitwise  terra iterations, fallbacks")
     for idiom in args.only:
-        cells: dict[str, list[dict[str, Any]]] = {"eager": [], "terra": []}
-        for _ in range(args.reps):
-            for mode in cells:
-                run = subprocess.run([sys.executable, "-m", "benchmarks.idioms_bench", "--worker", idiom, mode,
-                                      str(args.steps)], capture_output=True, text=True, check=True,
-                                     env={**os.environ, "TERRA_SPEED_CHECK": "0"})
-                cells[mode].append(json.loads(run.stdout.strip().splitlines()[-1]))
+        cells = run_rounds("benchmarks.idioms_bench", idiom, [("eager", "eager", {}), ("terra", "terra", {})],
+                           args.reps, args.steps)
         eager = statistics.median(r["ms_per_step"] for r in cells["eager"])
         terra = statistics.median(r["ms_per_step"] for r in cells["terra"])
         bitwise = {r["digest"] for r in cells["eager"]} == {r["digest"] for r in cells["terra"]}

@@ -23,10 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
+
+from benchmarks.harness.interleaved import run_rounds
 
 PROGRAMS = ("item_after_step", "branch_on_loss", "branch_on_batch", "checked_embedding")
 CELLS = (("eager", {}), ("terra", {}), ("terra, read rules off", {"TERRA_KNOWN_VALUES": "0"}))
@@ -127,14 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"uptime before: {os.getloadavg()}")
     for program in args.only:
-        results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in CELLS}
-        for _ in range(args.reps):
-            for name, env in CELLS:
-                mode = "eager" if name == "eager" else "terra"
-                run = subprocess.run([sys.executable, "-m", "benchmarks.reads_bench", "--worker", program, mode,
-                                      str(args.steps)], capture_output=True, text=True, check=True,
-                                     env={**os.environ, "TERRA_SPEED_CHECK": "0", **env})
-                results[name].append(json.loads(run.stdout.strip().splitlines()[-1]))
+        results = run_rounds("benchmarks.reads_bench", program,
+                             [(name, "eager" if name == "eager" else "terra", env) for name, env in CELLS],
+                             args.reps, args.steps)
         eager = statistics.median(r["us_per_step"] for r in results["eager"])
         print(f"\n{program}")
         for name, _ in CELLS:

@@ -35,6 +35,19 @@ inline bool writes_argument(const c10::FunctionSchema& schema, size_t a) {
          schema.arguments()[a].alias_info()->isWrite();
 }
 
+// Every result is a view of an argument, or a list of views (`unbind.int(Tensor(a -> *) self) ->
+// Tensor(a)[]`, whose alias set sits on the list's elements, so aliased_argument() finds no
+// argument for it), and the op writes none. Looser than makes_views_only(), which needs each
+// result's argument.
+inline bool results_are_views(const c10::FunctionSchema& schema) {
+  if (schema.returns().empty()) return false;
+  for (size_t a = 0; a < schema.arguments().size(); ++a)
+    if (writes_argument(schema, a)) return false;
+  for (const c10::Argument& ret : schema.returns())
+    if (ret.alias_info() == nullptr || ret.alias_info()->isWrite()) return false;
+  return true;
+}
+
 // The op only makes views: every result aliases an argument, and it writes none.
 inline bool makes_views_only(const c10::FunctionSchema& schema) {
   for (size_t a = 0; a < schema.arguments().size(); ++a) {

@@ -7,6 +7,7 @@
 #include "capture/dense_copy.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
+#include "capture/schema_aliases.h"
 #include "capture/terra_key.h"
 #include "runtime/scalar_arithmetic.h"
 
@@ -84,26 +85,23 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
       }
     }
     if (graph == nullptr || !capture::is_placeholder(t)) return false;
-    // The graph has published the value already: take it rather than run its recipe again on
-    // this thread (a recipe saves a wait only while the graph is behind; each row of indices the
-    // graph computed, `for j in idx`, ran the unbind again). The conditions are those of the wait
-    // below. (A comparison only recipes read, `h.abs().mean() < tol`, is not published: its
-    // recipe runs whatever the graph's progress.)
-    if (!ever_written(t)) {
-      if (const std::optional<int64_t> index = graph->link(t)) {
-        if (std::optional<at::Tensor> got = graph->published_now(*index)) {
-          v = *got;
-          any = true;
-          return true;
-        }
+    // The graph's value at `t`'s index is `t`'s while no op has written it since.
+    const std::optional<int64_t> index = ever_written(t) ? std::nullopt : graph->link(t);
+    // Published already: taken rather than running the recipe again on this thread (a recipe
+    // saves a wait only while the graph is behind; each row of indices the graph computed,
+    // `for j in idx`, ran the unbind again). A comparison only recipes read (`h.abs().mean() <
+    // tol`) is not published: its recipe runs whatever the graph's progress.
+    if (index) {
+      if (std::optional<at::Tensor> got = graph->published_now(*index)) {
+        v = *got;
+        any = true;
+        return true;
       }
     }
     if (resolve(t, v, *graph, 0)) {
       any = true;
       return true;
     }
-    if (ever_written(t)) return false;
-    const std::optional<int64_t> index = graph->link(t);
     if (!index) return false;
     std::optional<at::Tensor> got = graph->published(*index);
     if (!got) return false;
@@ -233,19 +231,6 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
   planned_ = std::move(r);
 }
 
-namespace {
-
-// Every result of the op is a view of an argument, or a list of such views (`unbind.int(Tensor(a
-// -> *) self) -> Tensor(a)[]`, whose alias set sits on the list's elements), and it writes none.
-bool makes_views(const c10::FunctionSchema& schema) {
-  if (capture::writes_an_argument(schema) || schema.returns().empty()) return false;
-  for (const c10::Argument& ret : schema.returns())
-    if (ret.alias_info() == nullptr || ret.alias_info()->isWrite()) return false;
-  return true;
-}
-
-}  // namespace
-
 void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
   if (!planned_) return;
   Recipe r = std::move(*planned_);
@@ -270,7 +255,7 @@ void KnownValues::keep_recipe(c10::ArrayRef<at::Tensor> outputs) {
   // (unbind, split, chunk): a computation with several outputs may depend on the thread's state
   // at the read (the LSTM layer's kernel on CPU reads GradMode: capture/grad_mode_kernels.h;
   // its `output` came out an ulp apart under no_grad).
-  if (!makes_views(r.op->schema())) return;
+  if (!capture::results_are_views(r.op->schema())) return;
   for (size_t k = 0; k < outputs.size(); ++k)
     if (qualifies(outputs[k])) keep(Recipe(r), outputs[k], static_cast<int32_t>(k));
 }

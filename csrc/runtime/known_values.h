@@ -75,8 +75,9 @@ class KnownValues {
 
   // `args` with every tensor replaced by its known value (a Python number stands for itself);
   // false if some tensor argument has none (or a list of tensors is passed), or none is known.
-  // With `graph` (a read), recipes are run, and placeholders without one that no op has written
-  // take the graph's value; still true only if some argument was known or had a recipe.
+  // With `graph` (a read), a placeholder no op has written takes the graph's value if it is
+  // published already, else its recipe's, else the graph's value waited for; still true only if
+  // some argument was known, published already or had a recipe.
   bool substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph = nullptr);
   // Before an op Python answers with placeholders (and could not follow): plans a recipe if it
   // qualifies; keep_recipe() attaches it to the op's output, any other call drops it.
