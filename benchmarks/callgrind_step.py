@@ -84,18 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--match", default="terra::", help="regular expression: which functions to list")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--program", default=None, help="a benchmark program (benchmarks/programs) instead of the MLP")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep the two runs' outputs in this folder; a folder that has them already is read "
+                        "instead of running again (one run, several listings)")
     p.add_argument("--self", dest="exclusive", action="store_true",
                    help="per function, the instructions spent in it alone (callee's excluded)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         print("valgrind (callgrind) is not installed: apt-get install valgrind", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        short, long = Path(tmp, "short"), Path(tmp, "long")
-        short.mkdir()
-        long.mkdir()
-        a = inclusive(run(args.steps, args.optimizer, args.eager, short, args.program), args.exclusive)
-        b = inclusive(run(2 * args.steps, args.optimizer, args.eager, long, args.program), args.exclusive)
+    def measure(tmp: Path) -> tuple[Counter, Counter]:
+        counts = []
+        for name, steps in (("short", args.steps), ("long", 2 * args.steps)):
+            folder = tmp / name
+            folder.mkdir(parents=True, exist_ok=True)
+            kept = sorted(folder.glob("cg.*-01"))
+            path = kept[0] if kept and args.keep is not None else run(steps, args.optimizer, args.eager, folder,
+                                                                       args.program)
+            counts.append(inclusive(path, args.exclusive))
+        return counts[0], counts[1]
+
+    if args.keep is not None:
+        a, b = measure(args.keep)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            a, b = measure(Path(tmp))
     per_step = {k: (b[k] - a.get(k, 0)) / args.steps for k in b}
     total = per_step.get("PROGRAM TOTALS", 0.0)
     print(f"{'eager' if args.eager else 'terra'} {args.program or args.optimizer}: {total:,.0f} instructions per step "

@@ -21,7 +21,9 @@ terra_torch.function, the others with terra_torch.wrap, as the benchmark harness
 `terra:TERRA_AB_PHASE=eager` times the wrapped program's eager iterations (`run_eagerly` after the
 warm-up, as after a speed check that chose eager) against plain eager's. Each child
 warms up (`--warmup` steps: tracing, graph generation, the first co-executed iterations), then
-times `--steps` steps and prints one JSON line. `--threads N` sets torch's intra-op threads in
+times `--steps` steps and prints one JSON line (for terra, also the graph builds during the timed
+steps and the seconds they and the traced iterations took on the program's thread: a program
+that still learns paths, `trip_count`, pays them inside the timing). `--threads N` sets torch's intra-op threads in
 every child (1 by default; torch's own default is one per core). `terra:TERRA_AB_ROOT=/path` runs that
 variant from another checkout (its `terra_torch` and built extension, its benchmark programs): a
 change against the build before it, in the same interleaved rounds (a `git worktree` of the old
@@ -86,6 +88,11 @@ if runner == "terra":
 if os.environ.get("TERRA_AB_PHASE") == "eager":  # (the wrapped program's eager iterations)
     for w in wrapped:
         w._terra_program.run_eagerly("step_ab: TERRA_AB_PHASE=eager")
+def learning():  # (graph builds and traced iterations so far; an older checkout has no build_s)
+    st = [terra_torch.stats(w) for w in wrapped]
+    return [sum(s.graph_builds for s in st), sum(getattr(s, "build_s", 0.0) for s in st),
+            sum(s.tracing_s for s in st)]
+learned = learning() if runner == "terra" else None
 t0, c0 = time.perf_counter(), time.thread_time()
 for i in range(warmup, warmup + steps):
     step(state, i)
@@ -95,6 +102,8 @@ out = {"ms": (time.perf_counter() - t0) / steps * 1e3, "cpu_ms": (time.thread_ti
 if runner == "terra":
     phases = [terra_torch.stats(w).iterations for w in wrapped]
     out["coexec_share"] = sum(p["coexec"] for p in phases) / max(1, sum(sum(p.values()) for p in phases))
+    builds, build_s, tracing_s = (b - a for a, b in zip(learned, learning()))
+    out.update(builds=builds, build_ms=build_s * 1e3, tracing_ms=tracing_s * 1e3)
 if optimize:
     segs = [s for w in wrapped for s in (terra_torch.explain(w).segments or [])]
     out.update(compile_wait_s=compile_wait_s, segments=len(segs),
@@ -157,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"compile wait {statistics.median(c['compile_wait_s'] for c in cells[(program, variant)]):.1f} s]")
             if "coexec_share" in cells[(program, variant)][-1]:
                 extra += f"  [co-executed {statistics.median(c['coexec_share'] for c in cells[(program, variant)]):.0%}]"
+            if any(c.get("builds") or c.get("tracing_ms") for c in cells[(program, variant)]):
+                rows = cells[(program, variant)]
+                extra += (f"  [timed steps, median: {statistics.median(c['builds'] for c in rows):g} graph builds "
+                          f"taking {statistics.median(c['build_ms'] for c in rows):.1f} ms, "
+                          f"traced iterations {statistics.median(c['tracing_ms'] for c in rows):.1f} ms]")
             print(f"{program:12s} {variant:34s} {statistics.median(ms):8.3f} {ratio}  "
                   f"({', '.join('%.3f' % m for m in ms)}){extra}")
     return 0

@@ -74,6 +74,10 @@ class Stats:
     graph_exec_s: float = 0.0  # GraphRunner: running the graph minus its stalls
     graph_stall_s: float = 0.0  # GraphRunner blocked on decisions, feeds and gates
     tracing_s: float = 0.0  # time in traced (eager, recorded) iterations
+    # Of the iteration boundaries after traced iterations: merging the trace into the TraceGraph
+    # (merge_s) and generating the graph from it (build_s), both on the program's own thread.
+    merge_s: float = 0.0
+    build_s: float = 0.0
     eager_reason: str = ""  # why the program last moved to phase "eager" ("" if it never did)
     # When it gave up converging: {"op", "line", "how", "iterations", "eager_for"} (else None).
     not_converged: dict[str, Any] | None = None
@@ -362,7 +366,9 @@ class Program:
                 if diverged:
                     fallback = self._record_fallback(region)
                     unsupported = self._session.diverged_at_unsupported()
+                    t_merge = time.monotonic_ns()
                     covered = self._session.add(region)
+                    self._stats.merge_s += (time.monotonic_ns() - t_merge) / 1e9
                     self._unconverged += 1
                     self._differences.append({"op": fallback.op, "line": fallback.source_line or "<unknown line>",
                                               "how": fallback.reason})
@@ -395,6 +401,7 @@ class Program:
                     self.iteration += 1
                     return
                 covered = self._session.add(region)
+                self._stats.merge_s += (time.monotonic_ns() - now) / 1e9
                 self._unconverged += 1
                 if not covered:
                     self._differences.append(self._difference(region, self._session.last_uncovered))
@@ -402,6 +409,7 @@ class Program:
                 if not covered and self._unconverged >= MAX_UNCONVERGED_ITERATIONS and self.mode != "trace":
                     self._give_up()
                 elif covered and self.mode != "trace":
+                    t_build = time.monotonic_ns()
                     try:
                         self._session.build()
                     except RuntimeError as e:
@@ -413,6 +421,7 @@ class Program:
                         self._give_up(str(e))
                     else:
                         self._stats.graph_builds += 1
+                        self._stats.build_s += (time.monotonic_ns() - t_build) / 1e9
                         if self._kept is not None:
                             self._keep()
                         for _node, why in self._session.unsupported():

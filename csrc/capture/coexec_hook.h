@@ -30,12 +30,13 @@ class CoExecHook {
 
   // The question asked of an op that runs on placeholders (neither host nor needing data): does
   // it match the graph? `rec` has its inputs, attributes, location and loops; `num_outputs`: the
-  // tensors it returns (lists flattened). kPlaceholder: return placeholders, then report them with
-  // outputs(). kDiverged: run it for real. (The runtime takes the values it knows of its
-  // arguments first, runtime/known_values.h: the graph may write their memory once the op is
-  // posted.)
+  // tensors it returns (lists flattened), `fewest_elements` the fewest elements one of them has
+  // (INT64_MAX: none). kPlaceholder: return placeholders, then report them with outputs().
+  // kDiverged: run it for real. (The runtime takes the values it knows of its arguments first,
+  // runtime/known_values.h: the graph may write their memory once the op is posted; and it keeps
+  // a way to compute small outputs on the Python side, for which it asks the sizes.)
   virtual Verdict admit(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,
-                        size_t num_outputs) = 0;
+                        size_t num_outputs, int64_t fewest_elements) = 0;
   // An op that runs for real because it needs data (`needs_data`: it reads values or has a
   // data-dependent shape; `host`: it takes and gives no tensors), after it ran: does it match?
   virtual Verdict validate(const Region& region, const OpRecord& rec, int32_t index, c10::ArrayRef<c10::IValue> args,

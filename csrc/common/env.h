@@ -1,7 +1,8 @@
 // The switches that turn one mechanism off for an A/B comparison in one build: TERRA_<NAME>=0
-// (TERRA_EARLY_BATCHES, TERRA_KNOWN_VALUES, TERRA_STAGED_CLAIMS, TERRA_CPP_META; the benchmarks
-// run the variants in interleaved processes), and the checks turned on with TERRA_<NAME>=1
-// (TERRA_LINT_GRAPHS: the test suite's). Read once by each caller, into a static.
+// (TERRA_EARLY_BATCHES, TERRA_KNOWN_VALUES, TERRA_STAGED_CLAIMS, TERRA_CPP_META,
+// TERRA_CLOSE_WAITS, TERRA_CODE_ON_WORKER; the benchmarks run the variants in interleaved
+// processes), and the checks turned on with TERRA_<NAME>=1 (TERRA_LINT_GRAPHS: the test
+// suite's). Read once by each caller, into a static.
 #pragma once
 
 #include <cstdlib>

@@ -42,6 +42,8 @@ py::dict session_stats(Session& s) {
   d["known_reads"] = p.known_reads;
   d["known_reads_waited"] = p.known_reads_waited;
   d["known_reads_published"] = p.known_reads_published;
+  d["known_reads_close"] = p.known_reads_close;
+  d["known_reads_recipe_waited"] = p.known_reads_recipe_waited;
   d["early_reads"] = p.early_reads;
   d["early_batches"] = p.early_batches;
   d["graph_iterations_run"] = g.iterations_run;

@@ -28,12 +28,21 @@ enum class TorchScriptMode {
   kGraphExecutor,  // torch::jit::GraphExecutor: profiles the first runs, then specializes
 };
 
+// When the interpreter's code for the graph is made (torch::jit::Code compiles the graph into
+// instructions: about a third of a co-executed program's graph build, 1-3 ms on the quick
+// suite's programs). kNow: in the constructor, where an error surfaces to its caller. kFirstRun:
+// at the first run(), on the thread that runs the graph: the PythonRunner's worker compiles while
+// Python validates the first ops of the iteration, instead of Python waiting at the iteration
+// boundary. Only for graphs made by the emitter, whose nodes all resolve to an operator
+// (graph_emitter.cpp, resolves_to_recorded), so that making the code cannot fail there.
+enum class CodeWhen { kNow, kFirstRun };
+
 // Runs with autograd off: the graph already holds the backward ops the program ran, and
 // in-place updates of leaves (optimizer steps) must not be refused.
 class TorchScriptExecutor final : public Executor {
  public:
   explicit TorchScriptExecutor(std::shared_ptr<torch::jit::Graph> graph,
-                               TorchScriptMode mode = TorchScriptMode::kInterpreter);
+                               TorchScriptMode mode = TorchScriptMode::kInterpreter, CodeWhen when = CodeWhen::kNow);
   ~TorchScriptExecutor() override;
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) override;
 

@@ -5,6 +5,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include "capture/dense_copy.h"
+#include "common/env.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/schema_aliases.h"
@@ -65,6 +66,7 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
   out.clear();
   resolved_.clear();
   recipe_runs_ = 0;
+  waited_close_ = false;
   bool any = false;
   // The known value of one tensor argument (itself for Python numbers and fresh tensors).
   auto value_of = [&](const at::Tensor& t, at::Tensor& v) {
@@ -89,13 +91,26 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
     const std::optional<int64_t> index = ever_written(t) ? std::nullopt : graph->link(t);
     // Published already: taken rather than running the recipe again on this thread (a recipe
     // saves a wait only while the graph is behind; each row of indices the graph computed,
-    // `for j in idx`, ran the unbind again). A comparison only recipes read (`h.abs().mean() <
-    // tol`) is not published: its recipe runs whatever the graph's progress.
+    // `for j in idx`, ran the unbind again).
     if (index) {
       if (std::optional<at::Tensor> got = graph->published_now(*index)) {
         v = *got;
         any = true;
         return true;
+      }
+    }
+    static const bool close_waits = !common::switched_off("TERRA_CLOSE_WAITS");  // (an A/B switch)
+    if (index && close_waits) {
+      // (a recipe that would wait for the graph a few outputs before this one: wait for this one)
+      const std::shared_ptr<const Recipe>* found = recipes_.find(t.unsafeGetTensorImpl());
+      const int64_t latest = found != nullptr && *found ? latest_wait(**found, *graph, 0) : -1;
+      if (latest >= 0 && *index - latest <= kCloseOutputs) {
+        if (std::optional<at::Tensor> got = graph->published(*index)) {
+          v = *got;
+          any = true;
+          waited_close_ = true;
+          return true;
+        }
       }
     }
     if (resolve(t, v, *graph, 0)) {
@@ -130,10 +145,15 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
   return any;
 }
 
-void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link) {
+void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link,
+                              int64_t fewest_elements) {
   planned_.reset();
-  // (First what most ops fail: an optimizer's ops write their arguments.)
+  // (First what most ops fail: no output keep_recipe() would take, or an optimizer's op that
+  // writes its arguments.)
+  if (fewest_elements > kMaxRecipeElements) return;
   if (capture::writes_an_argument(op.schema()) || op.hasTag(at::Tag::nondeterministic_seeded)) return;
+  // A recipe that needs the graph is kept only for an output of at most kMaxKnownElements.
+  const bool may_need_graph = fewest_elements <= kMaxKnownElements;
   Recipe r;
   // Tensors to copy (argument, list element, source), copied only once the recipe turns out to
   // need the graph for another argument: most ops whose tensors are all real end up with none.
@@ -162,7 +182,7 @@ void KnownValues::plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::
       // (a live output at that address is `t` itself: the entry is its recipe)
       const std::shared_ptr<const Recipe>* own = recipes_.find(t.unsafeGetTensorImpl());
       const bool has_recipe = own != nullptr && *own && (*own)->impl && !(*own)->impl->expired();
-      if (!has_recipe && n > kMaxKnownElements) return false;
+      if (!has_recipe && (n > kMaxKnownElements || !may_need_graph)) return false;
       if (ever_written(t)) return false;
       const std::optional<int64_t> index = link(t);
       if (!index && !has_recipe) return false;
@@ -267,6 +287,28 @@ void KnownValues::learn_value(const at::Tensor& t, const at::Tensor& v) {
   k.value = copy_of(v);  // private: a followed in-place op writes the copy, never the graph's tensor
   k.version = t._version();
   k.settled = true;
+}
+
+int64_t KnownValues::latest_wait(const Recipe& r, const GraphValues& graph, int depth) const {
+  if (depth >= kMaxRecipeDepth) return -1;
+  int64_t latest = -1;
+  for (const RecipeInput& in : r.inputs) {
+    if (!in.placeholder) continue;
+    int64_t wait = -1;
+    if (in.recipe) {
+      wait = latest_wait(*in.recipe, graph, depth + 1);
+    } else {
+      // (as run_recipe reads it: a known value first, the graph's published one otherwise)
+      at::Tensor p;
+      if (auto impl = in.impl->lock()) p = at::Tensor(std::move(impl));
+      if (p.defined() && find(p) != nullptr) continue;
+      if (in.index < 0) return -1;  // (the recipe cannot run; the read takes another way)
+      if (graph.ready(in.index)) return -1;  // runs without a wait
+      wait = in.index;
+    }
+    latest = std::max(latest, wait);
+  }
+  return latest;
 }
 
 bool KnownValues::resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth) {

@@ -46,6 +46,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -71,6 +72,8 @@ class KnownValues {
     c10::function_ref<std::optional<at::Tensor>(int64_t)> published;
     // The value at an index if the graph has published it already (no wait).
     c10::function_ref<std::optional<at::Tensor>(int64_t)> published_now;
+    // Whether the graph has published the value at an index already (no wait, nothing taken).
+    c10::function_ref<bool(int64_t)> ready;
   };
 
   // `args` with every tensor replaced by its known value (a Python number stands for itself);
@@ -79,9 +82,17 @@ class KnownValues {
   // published already, else its recipe's, else the graph's value waited for; still true only if
   // some argument was known, published already or had a recipe.
   bool substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack& out, const GraphValues* graph = nullptr);
+  // Whether the last substitute() waited for a read value itself rather than run its recipe
+  // (kCloseOutputs).
+  bool waited_close() const { return waited_close_; }
+  // How many recipe ops the last substitute() ran on the Python side.
+  int recipe_runs() const { return recipe_runs_; }
   // Before an op Python answers with placeholders (and could not follow): plans a recipe if it
   // qualifies; keep_recipe() attaches it to the op's output, any other call drops it.
-  void plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link);
+  // `fewest_elements`: the smallest output's size (INT64_MAX: unknown), which rules most ops out
+  // before their arguments are looked up (keep_recipe's limits, applied early).
+  void plan_recipe(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, LinkOf link,
+                   int64_t fewest_elements = std::numeric_limits<int64_t>::max());
   void keep_recipe(c10::ArrayRef<at::Tensor> outputs);
   void drop_planned() { planned_.reset(); }
   // A tensor a co-executed op writes (the graph writes it later): it is never fresh.
@@ -208,6 +219,19 @@ class KnownValues {
   static constexpr int64_t kMaxRecipeElements = 4096;
   // The most outputs of one op that get recipes (`unbind` of a batch of indices: one per row).
   static constexpr size_t kMaxRecipeOutputs = 64;
+  // A read whose recipe must wait for the graph anyway (for the placeholder the chain starts
+  // from) waits for the read value itself instead when the graph is at most this many outputs
+  // further: the graph runs the few ops, and Python does not run them again. `update.abs().mean()
+  // < tol` in a convergence loop: the recipe waited for `update`, then ran abs, mean and lt on the
+  // Python thread (~24k instructions per read, callgrind; docs/RUNTIME.md, "Known values"). A
+  // read after a backward the graph has not run (`loss > avg` after `loss.backward()`) is
+  // further than this and keeps its recipe.
+  static constexpr int64_t kCloseOutputs = 8;
+  // The latest output index a recipe chain waits for (a placeholder input with neither a known
+  // value nor a recipe of its own); -1 if none, or if one of those is published already (the
+  // recipe then runs without a wait).
+  int64_t latest_wait(const Recipe& r, const GraphValues& graph, int depth) const;
+  bool waited_close_ = false;  // the last substitute() took a value so (waited_close())
   // `t`'s value from a recipe (placeholder inputs: known, their own recipe, or the graph's);
   // learned when found.
   bool resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth);

@@ -74,7 +74,9 @@ PythonRunner::PythonRunner(emit::CapturedProgram& program, const trace::Program&
       early_batches_(early_batch_policy()) {
   channel_->attach_values(values_);
   channel_->use_streams(StreamSync::for_devices(program.devices()));
-  if (!executor) executor = std::make_shared<TorchScriptExecutor>(emitted.graph);
+  // (The interpreter's code is made by the worker at its first run, while Python goes on.)
+  static const CodeWhen when = common::switched_off("TERRA_CODE_ON_WORKER") ? CodeWhen::kNow : CodeWhen::kFirstRun;
+  if (!executor) executor = std::make_shared<TorchScriptExecutor>(emitted.graph, TorchScriptMode::kInterpreter, when);
   runner_ = std::make_unique<GraphRunner>(std::move(executor), channel_);
 }
 
@@ -196,13 +198,14 @@ void PythonRunner::materialize_inputs(c10::ArrayRef<c10::IValue> args) {
 }
 
 PythonRunner::Verdict PythonRunner::admit(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
-                                          c10::ArrayRef<c10::IValue> args, size_t num_outputs) {
+                                          c10::ArrayRef<c10::IValue> args, size_t num_outputs,
+                                          int64_t fewest_elements) {
   // The known arguments are taken before validate(): a fresh tensor's value is read from its
   // memory, which the graph may write as soon as validate() has posted this op's gate (Adam's
   // `step_t += 1` then read one step ahead, under load).
   follow_.reset();
   sync_after_ = -1;
-  const bool follows = known_arguments(rec.op, args);
+  const bool follows = known_arguments(rec.op, args, fewest_elements);
   const Verdict verdict = validate(region, rec, index, args, num_outputs, false, false);
   if (verdict == Verdict::kDiverged) return verdict;
   if (follows) follow_ = Follow{index, rec.op};
@@ -234,7 +237,7 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
   bool waited = false;
   auto published = [this, &waited](int64_t index) -> std::optional<at::Tensor> {
-    waited = true;
+    waited |= !values_->spin_published(index + 1, std::chrono::nanoseconds(0));  // (a wait, not a take)
     wait_for_graph(index + 1);
     return values_->value(index);
   };
@@ -245,18 +248,23 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
     taken |= v.has_value();
     return v;
   };
-  const KnownValues::GraphValues graph{link, published, published_now};
+  auto ready = [this](int64_t index) { return values_->spin_published(index + 1, std::chrono::nanoseconds(0)); };
+  const KnownValues::GraphValues graph{link, published, published_now, ready};
   if (!known_.substitute(args, out, &graph)) return false;
   ++stats_.known_reads;
   stats_.known_reads_published += taken ? 1 : 0;
+  stats_.known_reads_close += known_.waited_close() ? 1 : 0;
+  stats_.known_reads_recipe_waited += waited && known_.recipe_runs() > 0 ? 1 : 0;
   stats_.known_reads_waited += waited ? 1 : 0;
   return true;
 }
 
-bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+bool PythonRunner::known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                   int64_t fewest_elements) {
   if (!known_values_answer(op)) return false;
   if (!known_.substitute(args, known_args_)) {
-    known_.plan_recipe(op, args, [this](const at::Tensor& t) { return linked_index(t); });  // (kept by outputs() if its one output is small)
+    // (kept by outputs() for its small outputs)
+    known_.plan_recipe(op, args, [this](const at::Tensor& t) { return linked_index(t); }, fewest_elements);
     return false;
   }
   known_written_.clear();

@@ -52,6 +52,8 @@ struct PythonRunnerStats {
   int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
   int64_t known_reads_waited = 0;  // of them, reads whose recipes waited for a graph value
   int64_t known_reads_published = 0;  // of them, reads of values the graph had published (no recipe run)
+  int64_t known_reads_close = 0;  // of them, reads that waited for the value itself, a few outputs past their recipe's wait
+  int64_t known_reads_recipe_waited = 0;  // of them, reads that waited for a graph value and then ran recipes
   int64_t early_reads = 0;     // reads that waited only for the values they read (read_horizon)
   int64_t posted_decisions = 0;  // decisions (with gates and scalars) and feeds sent to the graph
   int64_t posted_feeds = 0;
@@ -177,7 +179,7 @@ class PythonRunner final : public capture::CoExecHook {
 
   // ---- capture::CoExecHook ----
   Verdict admit(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
-                c10::ArrayRef<c10::IValue> args, size_t num_outputs) override;
+                c10::ArrayRef<c10::IValue> args, size_t num_outputs, int64_t fewest_elements) override;
   Verdict validate(const capture::Region& region, const capture::OpRecord& rec, int32_t index,
                    c10::ArrayRef<c10::IValue> args, size_t num_outputs, bool needs_data, bool host) override;
   void materialize_inputs(c10::ArrayRef<c10::IValue> args) override;
@@ -252,8 +254,8 @@ class PythonRunner final : public capture::CoExecHook {
   // planned recipe and settles the previous op's versions.
   bool known_values_answer(const c10::OperatorHandle& op);
   // The known values of `args` into known_args_ (false: some tensor has none; a recipe may be
-  // planned for its output instead).
-  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  // planned for its outputs instead, the smallest of which has `fewest_elements`).
+  bool known_arguments(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, int64_t fewest_elements);
   // outputs() without the known values: the value-table claims and links of the outputs.
   void claim_outputs(int32_t index, c10::ArrayRef<at::Tensor> outputs);
   // Claims the value the graph publishes under `tag` for `t`, and links `t` to it where Python

@@ -138,8 +138,9 @@ def test_a_branch_on_the_loss_against_a_running_average_runs_on_the_python_side(
 def test_a_read_of_a_value_the_graph_has_published_runs_no_recipe():
     """Rows of the indices the forward picks (`for j in idx`), read after the graph has had time
     to publish them (a sleep stands for the Python work between): each read takes the graph's
-    value instead of running the row's recipe (the unbind) again on the Python side; before the
-    graph gets there, the recipe answers and waits only for `idx`."""
+    value instead of running the row's recipe (the unbind) again on the Python side. Before the
+    graph gets there (the sleep does not send it the batch), the first row's recipe would wait for
+    `idx`, a few outputs before the row: that read waits for the row itself (known_reads_close)."""
     import time
 
     def step(model, opt, state, i):
@@ -154,7 +155,46 @@ def test_a_read_of_a_value_the_graph_has_published_runs_no_recipe():
         state["log"] += [loss.detach(), picked]
 
     runner = check(step)
-    assert runner["known_reads_published"] >= 2 * (STEPS - 2 * WARMUP), runner  # (of 3 rows a step)
+    # (of 3 rows a step; the first may wait for its own value, a few outputs past `idx`)
+    assert runner["known_reads_published"] + runner["known_reads_close"] >= 2 * (STEPS - 2 * WARMUP), runner
+
+
+def test_a_convergence_check_waits_for_the_comparison_itself():
+    """`if update.abs().mean() < tol: break` in a refinement loop of the forward: the recipe of
+    the comparison would wait for `update` and then run abs, mean and lt again on the Python side,
+    three outputs before the comparison's own. The read waits for the comparison instead (the
+    graph runs the three ops), and it breaks where eager breaks. `tol` is a tensor the step
+    writes in place after the loop, and `h` is written in place inside it, so a read that took a
+    stale value would end the loop at another round."""
+
+    class Refine(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.f, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            for _ in range(6):
+                update = torch.tanh(self.f(h)) - h
+                h = h + 0.5 * update
+                if update.abs().mean() < tol:
+                    break
+            return self.out(h)
+
+    def step(model, opt, state, i):
+        tol = state.setdefault("tol", torch.tensor(0.05))
+        loss = F.cross_entropy(model(DATA[i % 6] * (0.5 + 0.3 * (i % 3)), tol), LABELS[i % 6])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tol.mul_(0.99)
+        state["log"].append(loss.detach())
+
+    runner = check(step, with_sgd(Refine))
+    assert runner["known_reads"] >= STEPS - 2 * WARMUP, runner
+    # No read waited for `update` to run its recipe after: each waited for the comparison itself,
+    # or found its value (or the recipe's input) published already (the graph ahead, under load).
+    assert runner["known_reads_recipe_waited"] <= WARMUP, runner
 
 
 def test_a_branch_on_the_batch_in_forward_runs_on_the_python_side():
