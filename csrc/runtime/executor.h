@@ -29,8 +29,8 @@ enum class TorchScriptMode {
 };
 
 // When the interpreter's code for the graph is made (torch::jit::Code compiles the graph into
-// instructions: about a third of a co-executed program's graph build, 1-3 ms on the quick
-// suite's programs). kNow: in the constructor, where an error surfaces to its caller. kFirstRun:
+// instructions: about a third of a co-executed program's graph build, ~2.5 ms of trip_count's
+// 7-8 ms; docs/RUNTIME.md). kNow: in the constructor, where an error surfaces to its caller. kFirstRun:
 // at the first run(), on the thread that runs the graph: the PythonRunner's worker compiles while
 // Python validates the first ops of the iteration, instead of Python waiting at the iteration
 // boundary. Only for graphs made by the emitter, whose nodes all resolve to an operator
