@@ -400,8 +400,9 @@ class Program:
                 if partial and not partial_again:
                     self.iteration += 1
                     return
+                t_merge = time.monotonic_ns()
                 covered = self._session.add(region)
-                self._stats.merge_s += (time.monotonic_ns() - now) / 1e9
+                self._stats.merge_s += (time.monotonic_ns() - t_merge) / 1e9
                 self._unconverged += 1
                 if not covered:
                     self._differences.append(self._difference(region, self._session.last_uncovered))

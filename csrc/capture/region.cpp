@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <limits>
 #include <typeinfo>
 
 #include "capture/coexec_hook.h"
@@ -793,18 +792,8 @@ bool Region::co_execute(const c10::OperatorHandle& op, c10::DispatchKeySet ks, O
     mode_ = Mode::Record;
     return false;
   }
-  size_t num_outputs = 0;
-  int64_t fewest_elements = std::numeric_limits<int64_t>::max();
-  for (const ReturnSpec& r : inferred->returns) {
-    num_outputs += r.tensors.size();
-    for (const OutputSpec& spec : r.tensors) {
-      if (spec.meta.dtype == c10::ScalarType::Undefined) continue;  // (an optional output the op left out)
-      int64_t n = 1;
-      for (const int64_t s : spec.meta.sizes) n *= s;
-      fewest_elements = std::min(fewest_elements, n);
-    }
-  }
-  if (hook_->admit(*this, rec, index, args, num_outputs, fewest_elements) == CoExecHook::Verdict::kDiverged) {
+  if (hook_->admit(*this, rec, index, args, inferred->num_outputs, inferred->fewest_elements) ==
+      CoExecHook::Verdict::kDiverged) {
     mode_ = Mode::Record;
     return false;
   }

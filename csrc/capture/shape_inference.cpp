@@ -240,6 +240,13 @@ InferredOutputs run_on_meta(const c10::OperatorHandle& op, c10::ArrayRef<c10::IV
       spec.is_list = true;
       for (const at::Tensor& t : v.toTensorList().vec()) spec.tensors.push_back(describe(t));
     }
+    for (const OutputSpec& out : spec.tensors) {
+      ++result.num_outputs;
+      if (out.meta.dtype == c10::ScalarType::Undefined) continue;  // (an optional output the op left out)
+      int64_t n = 1;
+      for (const int64_t s : out.meta.sizes) n *= s;
+      result.fewest_elements = std::min(result.fewest_elements, n);
+    }
     result.returns.push_back(std::move(spec));
   }
   return result;

@@ -3,6 +3,7 @@
 // before costs a hash lookup.
 #pragma once
 
+#include <limits>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
@@ -41,6 +42,10 @@ struct InferredOutputs {
   bool needs_materialization = false;
   std::string reason;
   bool restrides = false;  // some output restrides its argument (OutputSpec::restrides)
+  // The tensors it returns (lists flattened), and the fewest elements one of them has
+  // (INT64_MAX: none): counted once when the entry is made, not per op (CoExecHook::admit).
+  size_t num_outputs = 0;
+  int64_t fewest_elements = std::numeric_limits<int64_t>::max();
 };
 
 // `args` are the op's arguments as they sit on the dispatcher stack (placeholders or real).

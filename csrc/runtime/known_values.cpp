@@ -5,11 +5,11 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include "capture/dense_copy.h"
-#include "common/env.h"
 #include "capture/op_arguments.h"
 #include "capture/placeholder.h"
 #include "capture/schema_aliases.h"
 #include "capture/terra_key.h"
+#include "common/env.h"
 #include "runtime/scalar_arithmetic.h"
 
 namespace terra::runtime {
@@ -92,25 +92,20 @@ bool KnownValues::substitute(c10::ArrayRef<c10::IValue> args, torch::jit::Stack&
     // Published already: taken rather than running the recipe again on this thread (a recipe
     // saves a wait only while the graph is behind; each row of indices the graph computed,
     // `for j in idx`, ran the unbind again).
+    // A recipe that would wait for the graph a few outputs before this one: this one is waited
+    // for instead (kCloseOutputs).
+    static const bool close_waits = !common::switched_off("TERRA_CLOSE_WAITS");  // (an A/B switch)
     if (index) {
-      if (std::optional<at::Tensor> got = graph->published_now(*index)) {
-        v = *got;
+      std::optional<at::Tensor> got = graph->published_now(*index);
+      if (!got && close_waits) {
+        const std::shared_ptr<const Recipe>* found = recipes_.find(t.unsafeGetTensorImpl());
+        const int64_t latest = found != nullptr && *found ? latest_wait(**found, *graph, 0) : -1;
+        if (latest >= 0 && *index - latest <= kCloseOutputs && (got = graph->published(*index))) waited_close_ = true;
+      }
+      if (got) {
+        v = *std::move(got);
         any = true;
         return true;
-      }
-    }
-    static const bool close_waits = !common::switched_off("TERRA_CLOSE_WAITS");  // (an A/B switch)
-    if (index && close_waits) {
-      // (a recipe that would wait for the graph a few outputs before this one: wait for this one)
-      const std::shared_ptr<const Recipe>* found = recipes_.find(t.unsafeGetTensorImpl());
-      const int64_t latest = found != nullptr && *found ? latest_wait(**found, *graph, 0) : -1;
-      if (latest >= 0 && *index - latest <= kCloseOutputs) {
-        if (std::optional<at::Tensor> got = graph->published(*index)) {
-          v = *got;
-          any = true;
-          waited_close_ = true;
-          return true;
-        }
       }
     }
     if (resolve(t, v, *graph, 0)) {

@@ -231,7 +231,6 @@ class KnownValues {
   // value nor a recipe of its own); -1 if none, or if one of those is published already (the
   // recipe then runs without a wait).
   int64_t latest_wait(const Recipe& r, const GraphValues& graph, int depth) const;
-  bool waited_close_ = false;  // the last substitute() took a value so (waited_close())
   // `t`'s value from a recipe (placeholder inputs: known, their own recipe, or the graph's);
   // learned when found.
   bool resolve(const at::Tensor& t, at::Tensor& v, const GraphValues& graph, int depth);
@@ -240,6 +239,7 @@ class KnownValues {
   // The values run_recipe() computed during one read (cleared by substitute()), and the count.
   std::vector<std::pair<const Recipe*, at::Tensor>> resolved_;
   int recipe_runs_ = 0;
+  bool waited_close_ = false;  // the last substitute() waited for a read value itself (waited_close())
   void learn_value(const at::Tensor& t, const at::Tensor& v);
   static bool small_cpu(const at::Tensor& t);
   static at::Tensor copy_of(const at::Tensor& t);  // a private copy, made below autograd

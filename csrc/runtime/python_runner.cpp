@@ -235,20 +235,21 @@ bool PythonRunner::known_read_arguments(const c10::OperatorHandle& op, c10::Arra
                                         torch::jit::Stack& out) {
   if (!known_values_answer(op)) return false;
   auto link = [this](const at::Tensor& t) { return linked_index(t); };
-  bool waited = false;
-  auto published = [this, &waited](int64_t index) -> std::optional<at::Tensor> {
-    waited |= !values_->spin_published(index + 1, std::chrono::nanoseconds(0));  // (a wait, not a take)
+  // (published already: no wait, no lock, nothing taken)
+  auto ready = [this](int64_t index) { return values_->spin_published(index + 1, std::chrono::nanoseconds(0)); };
+  bool waited = false;  // (blocked for the graph: a value published already is a take, not a wait)
+  auto published = [this, &waited, &ready](int64_t index) -> std::optional<at::Tensor> {
+    waited |= !ready(index);
     wait_for_graph(index + 1);
     return values_->value(index);
   };
   bool taken = false;
-  auto published_now = [this, &taken](int64_t index) -> std::optional<at::Tensor> {
-    if (!values_->spin_published(index + 1, std::chrono::nanoseconds(0))) return std::nullopt;
+  auto published_now = [this, &taken, &ready](int64_t index) -> std::optional<at::Tensor> {
+    if (!ready(index)) return std::nullopt;
     std::optional<at::Tensor> v = values_->value(index);
     taken |= v.has_value();
     return v;
   };
-  auto ready = [this](int64_t index) { return values_->spin_published(index + 1, std::chrono::nanoseconds(0)); };
   const KnownValues::GraphValues graph{link, published, published_now, ready};
   if (!known_.substitute(args, out, &graph)) return false;
   ++stats_.known_reads;

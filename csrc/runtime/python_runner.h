@@ -50,7 +50,7 @@ struct PythonRunnerStats {
   int64_t divergences = 0;
   int64_t materialized = 0;    // placeholders given their value
   int64_t known_reads = 0;     // reads answered from values Python knew (runtime/known_values.h)
-  int64_t known_reads_waited = 0;  // of them, reads whose recipes waited for a graph value
+  int64_t known_reads_waited = 0;  // of them, reads that blocked until the graph published a value
   int64_t known_reads_published = 0;  // of them, reads of values the graph had published (no recipe run)
   int64_t known_reads_close = 0;  // of them, reads that waited for the value itself, a few outputs past their recipe's wait
   int64_t known_reads_recipe_waited = 0;  // of them, reads that waited for a graph value and then ran recipes
